@@ -1,0 +1,116 @@
+"""`raytrain` command line: run / enrich / train / export / status.
+
+Exit codes: 0 ok, 1 the job failed, 2 bad usage or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from raytrain.errors import ConfigError, RaytrainError
+
+DEFAULT_CONFIG = "configs/demo.yaml"
+
+EPILOG = """examples:
+  raytrain run                                   # the embedded demo: local Ray, sample data, tiny Mistral
+  raytrain run configs/demo.yaml train.max_steps=20 storage.run_name=exp1
+  raytrain status --root ./runs
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default=None,
+                   help=f"job YAML (default: {DEFAULT_CONFIG} when it exists, else built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=20 storage.root=/mnt/x")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrain", description=__doc__.splitlines()[0], epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("run", help="enrich + pack + train (resumes a run with the same name)")
+    _add_config_args(p)
+    p.add_argument("--max-failures", type=int, default=0, help="worker failures Ray Train recovers from")
+    p = sub.add_parser("enrich", help="enrichment on Spark-on-Ray + tokenize/pack only")
+    _add_config_args(p)
+    p = sub.add_parser("train", help="train on the run's packed data (runs enrich first if it is missing)")
+    _add_config_args(p)
+    p.add_argument("--max-failures", type=int, default=0, help="worker failures Ray Train recovers from")
+    p = sub.add_parser("export", help="export a run's latest checkpoint to a Hugging Face directory")
+    _add_config_args(p)
+    p.add_argument("--out", default="", help="output dir (default: <run>/exports/step_N)")
+    p = sub.add_parser("status", help="runs and checkpoints under a storage root, as a table")
+    p.add_argument("--root", default="./runs", help="storage root (default ./runs)")
+    return parser
+
+
+def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """`raytrain run train.max_steps=3` has no config path: treat KEY=VALUE first arguments as overrides."""
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not os.path.exists(config):
+        overrides.insert(0, config)
+        config = None
+    if config is None and os.path.exists(DEFAULT_CONFIG):
+        config = DEFAULT_CONFIG
+    return config, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        if args.command == "status":
+            from raytrain.status import print_status
+
+            print_status(args.root)
+            return 0
+        from raytrain.config import load_job_config
+
+        config_path, overrides = _split_config_and_overrides(args)
+        job = load_job_config(config_path, overrides)
+        logging.getLogger("raytrain").info("config %s (hash %s) overrides %s", config_path or "(defaults)",
+                                           job.config_hash(), overrides)
+        t0 = time.perf_counter()
+        if args.command in ("run", "train"):
+            from raytrain.runner import run_sft
+
+            summary = run_sft(job, max_failures=args.max_failures)
+            final = summary["final"]
+            print(f"\nraytrain: trained to step {final.get('step')} (loss {final.get('loss', float('nan')):.4f}) "
+                  f"in {time.perf_counter() - t0:.0f}s")
+            print(f"raytrain: checkpoints in {summary['checkpoints']}")
+            print(f"raytrain: reports in {summary['run']}/reports")
+        elif args.command == "enrich":
+            from raytrain.runner import run_enrich_only
+
+            packed = run_enrich_only(job)
+            print(f"\nraytrain: {packed.num_packs} packed sequences in {packed.location.uri}")
+        elif args.command == "export":
+            from raytrain.runner import export_latest
+
+            out = export_latest(job, args.out)
+            print(f"raytrain: exported Hugging Face model to {out}")
+        return 0
+    except ConfigError as e:
+        print(f"raytrain: config error: {e}", file=sys.stderr)
+        return 2
+    except RaytrainError as e:
+        print(f"raytrain: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("raytrain: interrupted", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

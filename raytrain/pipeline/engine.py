@@ -1,0 +1,71 @@
+"""The DeepSpeed pipeline engine for one worker: process group, PipelineModule, optimizer, checkpoints.
+
+Thin on purpose: the model lives in `model.py`, the partition in `module.py`, the config in `ds_config.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+from raytrain.pipeline.model import MistralConfig
+from raytrain.pipeline.module import build_pipeline_module
+
+log = logging.getLogger(__name__)
+
+DS_TAG = "ds"  # DeepSpeed's tag folder inside each of our step directories
+
+
+@dataclass
+class StageEngine:
+    engine: Any  # deepspeed.runtime.pipe.engine.PipelineEngine
+    stage: int
+    dp_rank: int
+    num_stages: int
+
+    def train_batch(self, data_iter: Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]] | None) -> float:
+        """One optimizer step over grad_accum_steps micro-batches; returns the mean loss (same on every stage)."""
+        loss = self.engine.train_batch(data_iter=data_iter)
+        return float(loss.item()) if torch.is_tensor(loss) else float(loss)
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def save(self, directory: str, client_state: dict[str, Any]) -> None:
+        """Every rank writes its own layer and optimizer files under directory/ds/."""
+        self.engine.save_checkpoint(directory, tag=DS_TAG, client_state=client_state, save_latest=False)
+
+    def load(self, directory: str) -> dict[str, Any]:
+        path, client_state = self.engine.load_checkpoint(
+            directory, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint under {os.path.join(directory, DS_TAG)}")
+        return client_state or {}
+
+
+def init_distributed(backend: str) -> None:
+    """Reuse the process group Ray Train created (gloo on CPU, nccl on GPU); DeepSpeed wraps it."""
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, pp: int, dp: int,
+                       partition_method: str, activation_checkpoint_interval: int, seed: int,
+                       init_from: str = "") -> StageEngine:
+    topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
+    module = build_pipeline_module(model_cfg, pp, topology=topology, partition_method=partition_method,
+                                   activation_checkpoint_interval=activation_checkpoint_interval, seed=seed)
+    if init_from:
+        from raytrain.pipeline.hf_io import load_hf_into_stage
+
+        load_hf_into_stage(module, init_from)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config)
+    return StageEngine(engine=engine, stage=engine.stage_id, dp_rank=engine.grid.data_parallel_id,
+                       num_stages=engine.num_stages)

@@ -1,0 +1,197 @@
+"""Run the stages of a job on one Ray cluster: enrich (Spark on Ray) -> tokenize + pack (Ray Data) -> train.
+
+`run_sft` is what `raytrain run` and `jobs/sft.py` call. Each stage skips itself when the run already holds its
+output for the same settings, so running the same run name again resumes training where its checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain.config import JobConfig
+from raytrain.errors import RaytrainError
+from raytrain.storage import StorageLocation, default_user, resolve, run_root
+
+log = logging.getLogger(__name__)
+
+# Environment every Ray worker needs: no hub downloads, and Ray 2.60's token-auth warning off for local clusters.
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass(frozen=True)
+class Run:
+    job: JobConfig
+    root: StorageLocation  # <storage.root>/<user>/<project>/<run_name>
+
+    @property
+    def data_hash(self) -> str:
+        """Settings that decide the packed sequences; a run's checkpoints are only valid for one value of it."""
+        sections = {k: self.job.to_dict()[k] for k in ("data", "enrich", "dataset")}
+        return hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def open_run(job: JobConfig) -> Run:
+    root = resolve(job.storage.root, s3_endpoint=job.storage.s3_endpoint or None)
+    user = default_user(job.storage.user or None)
+    return Run(job=job, root=run_root(root, user, job.storage.project, job.storage.run_name))
+
+
+def connect_ray(job: JobConfig) -> bool:
+    """Join the cluster (ray.address, RAY_ADDRESS, or the one `ray job submit` runs us in), else start an embedded
+    local Ray. Returns True when this call started Ray (so the caller shuts it down)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for k, v in WORKER_ENV.items():
+        os.environ.setdefault(k, v)
+    if ray.is_initialized():
+        return False
+    address = job.ray.address or os.environ.get("RAY_ADDRESS", "")
+    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    if address:
+        log.info("joining Ray cluster at %s", address)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        # Logical CPUs: at least 4 even on a 2-core laptop, so the trainer's workers, Ray Data's read tasks and the
+        # Spark executors can all be scheduled (they mostly wait on each other, the OS shares the cores).
+        num_cpus = job.ray.num_cpus or max(4, os.cpu_count() or 1)
+        log.info("starting an embedded local Ray with %d logical CPUs", num_cpus)
+        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def stage_input(run: Run) -> StorageLocation:
+    """The input root; 'sample' generates the shipped sample dataset inside the run (deterministic)."""
+    if run.job.data.input_path != "sample":
+        return resolve(run.job.data.input_path, s3_endpoint=run.job.storage.s3_endpoint or None)
+    from raytrain.sample_data import write_sample_dataset
+
+    target = run.root.join("data", "sample")
+    if target.join("_SUCCESS").exists():
+        return target
+    if target.is_posix:
+        write_sample_dataset(target.path)
+    else:  # object store / HDFS: write locally, then copy up
+        import pyarrow.fs as pafs
+
+        with tempfile.TemporaryDirectory() as tmp:
+            write_sample_dataset(tmp)
+            pafs.copy_files(tmp, target.path, source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=target.filesystem)
+    target.join("_SUCCESS").write_atomic("")
+    log.info("sample dataset written to %s", target.uri)
+    return target
+
+
+def eval_set_paths(run: Run, input_root: StorageLocation) -> tuple[str, ...]:
+    """enrich.eval_sets with 'sample' replaced by the sample dataset's eval set."""
+    out = []
+    for p in run.job.enrich.eval_sets:
+        out.append(input_root.join("eval", "eval_set.jsonl").uri if p == "sample" else p)
+    return tuple(out)
+
+
+def write_report(run: Run, name: str, report: dict[str, Any]) -> StorageLocation:
+    loc = run.root.join("reports", name)
+    loc.parent.mkdirs()
+    loc.write_atomic(json.dumps(report, indent=2, sort_keys=True, default=str))
+    return loc
+
+
+def run_enrich_and_pack(run: Run):
+    """Enrich + tokenize/pack unless this run already holds packed sequences for the same settings."""
+    from raytrain.dataset.stream import _read_manifest, tokenize_and_pack
+    from raytrain.enrich.job import run_enrich
+
+    packed_loc = run.root.join("data", "packed")
+    manifest = _read_manifest(packed_loc)
+    if manifest is None or manifest.get("data_hash") != run.data_hash:
+        input_root = stage_input(run)
+        result = run_enrich(run.job, input_root, run.root)
+        write_report(run, "enrich_report.json", result.report)
+        enriched = result.enriched
+    else:
+        enriched = run.root.join("data", "enriched")
+    return tokenize_and_pack(enriched, packed_loc, run.job.dataset, run.data_hash)
+
+
+def run_sft(job: JobConfig, max_failures: int = 0) -> dict[str, Any]:
+    """The whole chain for one run; returns a summary (also written to reports/run_summary.json)."""
+    from raytrain.dataset.stream import training_dataset
+    from raytrain.runlock import RunLock
+    from raytrain.trainer.launch import train
+
+    _check_model_fits_tokenizer(job)
+    run = open_run(job)
+    started_ray = connect_ray(job)
+    try:
+        run.root.mkdirs()
+        with RunLock(run.root):
+            log.info("run %s", run.root.uri)
+            packed = run_enrich_and_pack(run)
+            result = train(job, run.root, training_dataset(packed), packed.num_packs, max_failures=max_failures)
+            summary = {"run": run.root.uri, "checkpoints": result.checkpoint_dir, "final": result.final_metrics,
+                       "num_packs": packed.num_packs, "config_hash": job.config_hash()}
+            write_report(run, "run_summary.json", summary)
+            return summary
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def _check_model_fits_tokenizer(job: JobConfig) -> None:
+    from raytrain.pipeline.model import MistralConfig
+
+    vocab = {"v1": 32000, "v3": 32768}[job.dataset.tokenizer]
+    model_vocab = MistralConfig.preset(job.model.preset).vocab_size
+    if model_vocab < vocab:
+        raise RaytrainError(f"model.preset={job.model.preset!r} has vocab {model_vocab} < {vocab} tokens of "
+                            f"dataset.tokenizer={job.dataset.tokenizer!r}; pick a matching tokenizer or preset")
+
+
+def run_enrich_only(job: JobConfig):
+    """`raytrain enrich`: enrichment + tokenize/pack for a run, no training."""
+    from raytrain.runlock import RunLock
+
+    run = open_run(job)
+    started_ray = connect_ray(job)
+    try:
+        run.root.mkdirs()
+        with RunLock(run.root):
+            return run_enrich_and_pack(run)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def export_latest(job: JobConfig, out_dir: str = "") -> str:
+    """Merge the run's latest checkpoint into a Hugging Face Mistral directory; returns its path."""
+    from raytrain.checkpoint.layout import step_dir_name
+    from raytrain.checkpoint.store import CheckpointStore
+    from raytrain.pipeline.engine import DS_TAG
+    from raytrain.pipeline.hf_io import export_to_hf
+    from raytrain.pipeline.model import MistralConfig
+
+    run = open_run(job)
+    store = CheckpointStore(run.root)
+    latest = store.latest()
+    if latest is None:
+        raise RaytrainError(f"no committed checkpoint under {run.root.join('checkpoints').uri}; run training first")
+    local = latest.local_path or store.download(latest, tempfile.mkdtemp(prefix="raytrain-export-"))
+    if not out_dir:
+        exports = run.root.join("exports", step_dir_name(latest.step))
+        if not exports.is_posix:
+            raise RaytrainError("exporting to an object store needs --out with a local directory")
+        out_dir = exports.path
+    export_to_hf(os.path.join(local, DS_TAG), MistralConfig.preset(job.model.preset), out_dir)
+    return out_dir

@@ -1,0 +1,139 @@
+"""The per-worker training loop: one TorchTrainer worker hosts one stage of one pipeline replica.
+
+setup (process group, stage engine, resume) -> train (steps, metrics, checkpoints) -> done. Reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Any
+
+import ray.train
+import torch
+import torch.distributed as dist
+
+from raytrain.checkpoint.store import CheckpointStore
+from raytrain.config import JobConfig, load_job_config
+from raytrain.pipeline.flops import flops_per_token, pipeline_bubble_fraction
+from raytrain.pipeline.model import MistralConfig
+from raytrain.storage import resolve
+from raytrain.trainer.feed import FeedTrace, micro_batches
+from raytrain.trainer.schedule import Topology, data_position
+
+log = logging.getLogger(__name__)
+
+
+def _job_from(loop_config: dict[str, Any]) -> JobConfig:
+    return load_job_config(None, loop_config["overrides"])
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Entry point run by every TorchTrainer worker. `loop_config` holds plain data only (it is pickled to workers):
+    overrides (the resolved job config as dotted overrides), run_uri, ds_config, micro_batches_per_epoch, versions."""
+    from raytrain.pipeline.engine import build_stage_engine, init_distributed
+
+    job = _job_from(loop_config)
+    tc = job.train
+    ctx = ray.train.get_context()
+    topo = Topology(pp=tc.pp, dp=tc.dp, world_rank=ctx.get_world_rank())
+    torch.manual_seed(tc.seed)
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+    init_distributed("nccl" if tc.use_gpu else "gloo")
+    model_cfg = MistralConfig.preset(job.model.preset)
+    stage = build_stage_engine(model_cfg, loop_config["ds_config"], pp=tc.pp, dp=tc.dp,
+                               partition_method=tc.partition_method,
+                               activation_checkpoint_interval=tc.activation_checkpoint_interval,
+                               seed=tc.seed, init_from=job.model.init_from)
+    assert (stage.stage, stage.dp_rank) == (topo.stage, topo.dp_rank), "DeepSpeed topology disagrees with ours"
+
+    run_root = resolve(loop_config["run_uri"], s3_endpoint=job.storage.s3_endpoint or None)
+    store = CheckpointStore(run_root, keep_last=tc.keep_last)
+    step = 0
+    latest = store.latest()
+    if latest is not None:
+        latest = store.verify(latest)  # sizes + sha256 from the manifest; a corrupt file is named, not loaded
+        local = latest.local_path or store.download(latest, tempfile.mkdtemp(prefix="raytrain-resume-"))
+        client_state = stage.load(local)
+        step = int(client_state["step"])
+        if client_state["data_position"] != data_position(step, tc.dp, tc.grad_accum_steps):
+            raise RuntimeError(f"checkpoint {latest.step} records data position {client_state['data_position']}, "
+                               "which does not match its step; the batch layout changed since it was written")
+        if topo.world_rank == 0:
+            print(f"[raytrain] resumed from checkpoint step {step} ({latest.uri})", flush=True)
+
+    # ---- data: first and last stages read the packed dataset in a fixed order, sharded by dp rank -------------
+    trace = FeedTrace()
+    data_iter = None
+    if topo.needs_data:
+        shard = ray.train.get_dataset_shard("train")
+        mbs = tc.micro_batch_size
+
+        def epoch_batches(epoch: int):
+            return shard.iter_batches(batch_size=mbs, batch_format="numpy", drop_last=True)
+
+        data_iter = micro_batches(epoch_batches, start_position=data_position(step, tc.dp, tc.grad_accum_steps),
+                                  micro_batches_per_epoch=loop_config["micro_batches_per_epoch"],
+                                  dp_rank=topo.dp_rank, dp=tc.dp, grad_accum_steps=tc.grad_accum_steps,
+                                  trace=trace)
+
+    # ---- train -------------------------------------------------------------------------------------------------
+    seq_len = job.dataset.seq_len
+    tokens_per_step = tc.global_batch_size * seq_len
+    flops_tok = flops_per_token(model_cfg, seq_len)
+    bubble = pipeline_bubble_fraction(tc.grad_accum_steps, tc.pp)
+    metrics_path = os.path.join(loop_config["local_reports_dir"], "metrics.jsonl") \
+        if loop_config.get("local_reports_dir") else None
+    while step < tc.max_steps:
+        t0 = time.perf_counter()
+        consumed_before = len(trace.consumed)
+        loss = stage.train_batch(data_iter)
+        step_time_s = time.perf_counter() - t0
+        step += 1
+        tokens_per_s = tokens_per_step / step_time_s
+        metrics = {
+            "step": step, "loss": loss, "lr": stage.lr(), "step_time_s": step_time_s,
+            "tokens_per_s": tokens_per_s, "samples_per_s": tc.global_batch_size / step_time_s,
+            "pipeline_bubble": bubble, "stage": topo.stage, "dp_rank": topo.dp_rank,
+            "mfu": (tokens_per_s * flops_tok / (tc.peak_tflops * 1e12 * tc.num_workers)) if tc.peak_tflops else None,
+            "data_position": data_position(step, tc.dp, tc.grad_accum_steps),
+        }
+        if topo.world_rank == 0:
+            print(f"[raytrain] step {step}/{tc.max_steps} loss {loss:.4f} lr {metrics['lr']:.2e} "
+                  f"{tokens_per_s:,.0f} tok/s {step_time_s:.2f}s", flush=True)
+            if metrics_path:
+                with open(metrics_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(metrics) + "\n")
+        if topo.needs_data and loop_config.get("local_reports_dir"):
+            with open(os.path.join(loop_config["local_reports_dir"], f"data_trace_rank{topo.world_rank}.jsonl"),
+                      "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank,
+                                    "consumed": trace.consumed[consumed_before:]}) + "\n")
+
+        if step % tc.checkpoint_every == 0 or step == tc.max_steps:
+            _save_checkpoint(store, stage, step, job, loop_config, metrics)
+            if topo.world_rank == 0:
+                print(f"[raytrain] checkpoint step {step} -> {run_root.join('checkpoints').uri}", flush=True)
+        ray.train.report({k: v for k, v in metrics.items() if v is not None})
+
+
+def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConfig,
+                     loop_config: dict[str, Any], metrics: dict[str, Any]) -> None:
+    """Every rank writes its shard into the step's staging dir; rank 0 commits after all have finished."""
+    tc = job.train
+    client_state = {"step": step, "data_position": data_position(step, tc.dp, tc.grad_accum_steps)}
+    staging = store.staging_dir(step)
+    stage.save(staging, client_state)
+    store.upload(step, staging)
+    dist.barrier()  # every stage's files are in place before the manifest makes the checkpoint visible
+    if dist.get_rank() == 0:
+        store.commit(step, {
+            "step": step, "data_position": client_state["data_position"], "metrics": metrics,
+            "config": job.to_dict(), "config_hash": job.config_hash(), "versions": loop_config.get("versions", {}),
+            "world": {"pp": tc.pp, "dp": tc.dp}, "model": job.model.preset,
+        })
+    dist.barrier()  # nobody races ahead to the next save while the commit renames the directory

@@ -1,0 +1,67 @@
+"""Which micro-batches a worker consumes, and where a resumed run picks up. Pure arithmetic, unit-tested.
+
+The packed dataset is read in one fixed order by every worker. The global micro-batch sequence is dealt out
+step by step: optimizer step s uses micro-batches [s * dp * m, (s + 1) * dp * m), replica r taking the m consecutive
+ones starting at s * dp * m + r * m (m = grad_accum_steps). Sharding by *data-parallel* rank, not world rank, is what
+makes every stage of one pipeline see the same micro-batches (Ray Data's own split is by world rank: ray#60439).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a worker sits: DeepSpeed's PipeDataParallelTopology orders ranks pipe-major (rank = stage * dp + dp_rank)."""
+
+    pp: int
+    dp: int
+    world_rank: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.world_rank < self.pp * self.dp:
+            raise ValueError(f"world_rank {self.world_rank} outside pp*dp = {self.pp * self.dp}")
+
+    @property
+    def stage(self) -> int:
+        return self.world_rank // self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.world_rank % self.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def needs_data(self) -> bool:
+        """Only the first stage (input ids) and the last (labels) read the dataset; middle stages only pass
+        activations, so they never touch Ray Data."""
+        return self.is_first_stage or self.is_last_stage
+
+
+def micro_batches_per_step(dp: int, grad_accum_steps: int) -> int:
+    return dp * grad_accum_steps
+
+
+def owns_micro_batch(global_index: int, dp_rank: int, dp: int, grad_accum_steps: int) -> bool:
+    """True when global micro-batch `global_index` belongs to data-parallel replica `dp_rank`."""
+    return (global_index // grad_accum_steps) % dp == dp_rank
+
+
+def data_position(step: int, dp: int, grad_accum_steps: int) -> int:
+    """Global micro-batches consumed after `step` optimizer steps (what a checkpoint records)."""
+    return step * micro_batches_per_step(dp, grad_accum_steps)
+
+
+def epoch_and_offset(position: int, micro_batches_per_epoch: int) -> tuple[int, int]:
+    """Split a global micro-batch position into (epoch, index within the epoch)."""
+    if micro_batches_per_epoch <= 0:
+        raise ValueError("the dataset holds no full micro-batch")
+    return divmod(position, micro_batches_per_epoch)

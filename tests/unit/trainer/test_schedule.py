@@ -1,0 +1,37 @@
+import pytest
+
+from raytrain.trainer.schedule import Topology, data_position, epoch_and_offset, owns_micro_batch
+
+
+def test_topology_is_pipe_major_like_deepspeed():
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    pp, dp = 2, 2
+    topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
+    for rank in range(pp * dp):
+        coord = topo.get_coord(rank)
+        ours = Topology(pp=pp, dp=dp, world_rank=rank)
+        assert (ours.stage, ours.dp_rank) == (coord.pipe, coord.data)
+
+
+@pytest.mark.parametrize("dp,m", [(1, 1), (1, 4), (2, 2), (3, 2)])
+def test_every_micro_batch_has_exactly_one_owner(dp, m):
+    steps = 5
+    n = data_position(steps, dp, m)
+    owners = [[r for r in range(dp) if owns_micro_batch(i, r, dp, m)] for i in range(n)]
+    assert all(len(o) == 1 for o in owners)
+    # each replica gets m micro-batches per step
+    for r in range(dp):
+        assert sum(o == [r] for o in owners) == steps * m
+
+
+def test_middle_stages_do_not_read_data():
+    roles = [Topology(pp=4, dp=1, world_rank=r).needs_data for r in range(4)]
+    assert roles == [True, False, False, True]
+
+
+def test_epoch_and_offset():
+    assert epoch_and_offset(0, 7) == (0, 0)
+    assert epoch_and_offset(15, 7) == (2, 1)
+    with pytest.raises(ValueError):
+        epoch_and_offset(3, 0)
