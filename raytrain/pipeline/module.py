@@ -1,0 +1,124 @@
+"""Mistral as a DeepSpeed PipelineModule, and the stage partition it will use, computed without building it.
+
+``stage_layer_ranges`` reproduces ``PipelineModule._partition_layers`` with the same DeepSpeed helpers
+(``partition_uniform`` / ``partition_balanced``), so callers (checkpoint layout, export, logging) can know which
+pipeline layers a stage owns before any process group exists.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime import utils as ds_utils
+
+from raytrain.errors import ConfigError
+from raytrain.pipeline.model import (
+    DecoderLayerPipe,
+    MistralConfig,
+    build_sequential,
+    causal_lm_loss,
+    hf_prefix,
+    layer_constructors,
+    layer_parameter_counts,
+)
+
+DEFAULT_PARTITION_METHOD = "type:DecoderLayerPipe"
+PARTITION_METHODS = ("type:DecoderLayerPipe", "parameters", "uniform")
+
+
+def _check_stages(cfg: MistralConfig, num_stages: int) -> None:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
+    if num_stages > cfg.num_hidden_layers:
+        raise ConfigError(
+            f"num_stages ({num_stages}) is larger than num_hidden_layers ({cfg.num_hidden_layers}): some stage "
+            f"would hold no decoder layer. Use at most {cfg.num_hidden_layers} pipeline stages.")
+
+
+def stage_layer_ranges(cfg: MistralConfig, num_stages: int,
+                       partition_method: str = DEFAULT_PARTITION_METHOD) -> list[tuple[int, int]]:
+    """Per stage, the half-open range ``(start, stop)`` of pipeline layer indices it owns (0 .. L+2).
+
+    Same result as ``PipelineModule(...).parts`` for the layers of ``build_pipeline_module``: 'uniform' splits the
+    layer count evenly, 'parameters' balances trainable parameter counts, 'type:<regex>' balances the number of
+    layers whose class name matches (case-insensitive), all via DeepSpeed's own partition helpers.
+    Raises ConfigError for an unknown method, too many stages, or a partition that leaves a stage empty.
+    """
+    _check_stages(cfg, num_stages)
+    method = partition_method.lower()
+    names = [cls.__name__ for cls, _args, _kwargs in layer_constructors(cfg)]
+    if method == "uniform":
+        parts = ds_utils.partition_uniform(num_items=len(names), num_parts=num_stages)
+    elif method == "parameters":
+        parts = ds_utils.partition_balanced(weights=layer_parameter_counts(cfg), num_parts=num_stages)
+    elif method.startswith("type:"):
+        pattern = re.compile(method.split(":")[1], re.IGNORECASE)
+        weights = [1 if pattern.search(name) else 0 for name in names]
+        if not any(weights):
+            raise ConfigError(f"partition_method {partition_method!r} matches no layer class; classes are "
+                              f"{sorted(set(names))}")
+        parts = ds_utils.partition_balanced(weights=weights, num_parts=num_stages)
+    else:
+        raise ConfigError(f"unknown partition_method {partition_method!r}; use one of {list(PARTITION_METHODS)}")
+    ranges = [(int(parts[s]), int(parts[s + 1])) for s in range(num_stages)]
+    empty = [s for s, (start, stop) in enumerate(ranges) if stop <= start]
+    if empty:
+        raise ConfigError(f"partition_method {partition_method!r} leaves stage(s) {empty} of {num_stages} without "
+                          f"layers (ranges {ranges}); use fewer stages or partition_method 'uniform'")
+    return ranges
+
+
+def stage_parameter_names(cfg: MistralConfig, layer_range: tuple[int, int]) -> dict[str, str]:
+    """Hugging Face name -> DeepSpeed stage-module name for the layers in ``layer_range``.
+
+    Inside a PipelineModule a layer's parameter ``weight`` of pipeline layer ``i`` is named ``f"{i}.weight"``; in
+    Hugging Face it is ``hf_prefix(i) + "weight"``.
+    """
+    start, stop = layer_range
+    with torch.device("meta"):
+        layers = build_sequential(cfg)
+    names: dict[str, str] = {}
+    for layer_index in range(start, stop):
+        for local_name, _param in layers[layer_index].named_parameters():
+            names[hf_prefix(layer_index, cfg) + local_name] = f"{layer_index}.{local_name}"
+    return names
+
+
+def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
+                          partition_method: str = DEFAULT_PARTITION_METHOD, activation_checkpoint_interval: int = 0,
+                          seed: int = 0) -> PipelineModule:
+    """The Mistral PipelineModule for this process's stage (needs ``deepspeed.init_distributed`` first).
+
+    Layers are LayerSpecs, so a process only allocates its own stage. Each layer draws its init from
+    (seed, layer index), so the weights do not depend on ``num_stages`` or the partition. ``topology`` (a DeepSpeed
+    ProcessTopology) overrides the default pipe x data layout and must have ``num_stages`` on its 'pipe' axis.
+    Activation checkpointing only wraps decoder layers: DeepSpeed's reentrant checkpoint would cut the embedding off
+    from its gradient (its inputs are integer ids that cannot require grad).
+    """
+    stage_layer_ranges(cfg, num_stages, partition_method)  # validates before any process-group work
+    if topology is not None and topology.get_dim("pipe") != num_stages:
+        raise ConfigError(f"topology has {topology.get_dim('pipe')} pipeline stages but num_stages={num_stages}; "
+                          "make them agree")
+    if activation_checkpoint_interval < 0:
+        raise ConfigError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
+    specs = [LayerSpec(cls, *args, **kwargs) for cls, args, kwargs in layer_constructors(cfg, seed)]
+    return PipelineModule(
+        layers=specs,
+        num_stages=None if topology is not None else num_stages,
+        topology=topology,
+        loss_fn=causal_lm_loss,
+        partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=[DecoderLayerPipe.__name__],
+    )
+
+
+def stage_range(module: PipelineModule) -> tuple[int, int]:
+    """Half-open range of pipeline layer indices that ``module`` (one stage) holds."""
+    return int(module.parts[module.stage_id]), int(module.parts[module.stage_id + 1])
+
+
+__all__ = ["DEFAULT_PARTITION_METHOD", "PARTITION_METHODS", "stage_layer_ranges", "stage_parameter_names",
+           "build_pipeline_module", "stage_range"]

@@ -1,0 +1,397 @@
+"""Where raytrain reads and writes: one resolver from a user's URI to every framework's view of the same place.
+
+`resolve("/mnt/lustre/team")`, `resolve("s3://bucket/runs")` or `resolve("hdfs://nn:8020/runs")` gives a
+`StorageLocation` that carries the pyarrow path and filesystem (Ray Data, Ray Train, the checkpoint store), an
+explicit `spark_uri` (Spark resolves scheme-less paths against `fs.defaultFS`, which is HDFS on many clusters, so a
+bare `/mnt/x` is always handed to Spark as `file:///mnt/x`), and the pair Ray Train's `RunConfig` wants.
+
+Layout under a shared root: `<root>/<user>/<project>/<run>/{data,checkpoints,reports,exports}/` (`run_root`).
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import io
+import os
+import posixpath
+import re
+import uuid
+from dataclasses import dataclass
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+import pyarrow.fs as pafs
+
+from raytrain.errors import RaytrainError
+
+SUPPORTED_SCHEMES = ("file", "s3", "hdfs")
+# Hadoop's names for S3 connectors mean the same bucket; accept them so a `spark_uri` resolves back.
+_SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3"}
+
+DATA_DIR = "data"
+CHECKPOINTS_DIR = "checkpoints"
+REPORTS_DIR = "reports"
+EXPORTS_DIR = "exports"
+RUN_SUBDIRS = (DATA_DIR, CHECKPOINTS_DIR, REPORTS_DIR, EXPORTS_DIR)
+
+_URI_EXAMPLES = {
+    "file": "file:///absolute/path",
+    "s3": "s3://bucket/key",
+    "hdfs": "hdfs://namenode:8020/absolute/path",
+}
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+@dataclass(frozen=True)
+class StorageLocation:
+    """A resolved place on local/parallel POSIX storage, S3 or HDFS. Build with `resolve`, never by hand."""
+
+    scheme: str
+    """One of SUPPORTED_SCHEMES: "file" (any POSIX mount: local disk, Lustre, GPFS, WekaFS), "s3", "hdfs"."""
+    path: str
+    """Filesystem-native path for `filesystem`: "/mnt/x" (file, hdfs) or "bucket/key" (s3); no trailing slash."""
+    authority: str = ""
+    """"host:port" of the HDFS namenode ("" = fs.defaultFS); unused for file and s3 (the bucket is in `path`)."""
+    s3_endpoint: str | None = None
+    """S3 endpoint URL ("http://127.0.0.1:9000") for non-AWS or loopback servers; None = AWS default."""
+
+    # ---- views for each consumer -------------------------------------------------------------------------
+    @property
+    def uri(self) -> str:
+        """Canonical URI: file:///mnt/x, s3://bucket/key, hdfs://nn:8020/path."""
+        if self.scheme == "s3":
+            return f"s3://{self.path}"
+        if self.scheme == "hdfs":
+            return f"hdfs://{self.authority}{self.path}"
+        return f"file://{self.path}"
+
+    @property
+    def spark_uri(self) -> str:
+        """URI with an explicit scheme for Spark/Hadoop (s3 → s3a://), so fs.defaultFS never redirects a write."""
+        if self.scheme == "s3":
+            return f"s3a://{self.path}"
+        return self.uri
+
+    @property
+    def spark_conf(self) -> dict[str, str]:
+        """Spark settings this location needs beyond the URI (the S3 endpoint for s3a://); {} when none."""
+        if self.scheme != "s3" or self.s3_endpoint is None:
+            return {}
+        return {
+            "spark.hadoop.fs.s3a.endpoint": self.s3_endpoint,
+            "spark.hadoop.fs.s3a.path.style.access": "true",  # loopback/on-prem servers rarely do virtual hosts
+        }
+
+    @property
+    def local_path(self) -> str | None:
+        """The POSIX path when scheme is "file" (usable with open/os/DeepSpeed), else None."""
+        return self.path if self.scheme == "file" else None
+
+    @property
+    def is_posix(self) -> bool:
+        """True for a POSIX mount: rename and os.replace are atomic there."""
+        return self.scheme == "file"
+
+    @property
+    def filesystem(self) -> pafs.FileSystem:
+        """pyarrow filesystem for `path`, created on first use and shared by all locations on the same store."""
+        return _filesystem(self.scheme, self.authority, self.s3_endpoint)
+
+    @property
+    def ray_storage_path(self) -> str:
+        """`storage_path` for ray.train.RunConfig (pair it with `ray_storage_filesystem`)."""
+        return self.path
+
+    @property
+    def ray_storage_filesystem(self) -> pafs.FileSystem | None:
+        """`storage_filesystem` for ray.train.RunConfig: None for POSIX (Ray uses the path), else `filesystem`."""
+        return None if self.is_posix else self.filesystem
+
+    @property
+    def name(self) -> str:
+        """Last path component ("" for a bucket root or "/")."""
+        return posixpath.basename(self.path)
+
+    # ---- navigation --------------------------------------------------------------------------------------
+    def join(self, *parts: str) -> StorageLocation:
+        """Child location; each part may hold "a/b". Raises RaytrainError for empty, absolute, "." or ".." parts."""
+        components: list[str] = []
+        for part in parts:
+            if not isinstance(part, str) or not part.strip("/"):
+                raise RaytrainError(f"storage join under {self.uri}: empty path part {part!r}; pass a name")
+            if part.startswith("/"):
+                raise RaytrainError(
+                    f"storage join under {self.uri}: part {part!r} is absolute; pass a relative name or resolve() it"
+                )
+            for comp in part.strip("/").split("/"):
+                if comp in ("", ".", ".."):
+                    raise RaytrainError(
+                        f"storage join under {self.uri}: part {part!r} contains {comp!r}; paths may not leave "
+                        "or re-enter their parent, pass a plain relative name"
+                    )
+                components.append(comp)
+        base = self.path.rstrip("/")
+        return _replace_path(self, base + "/" + "/".join(components) if base else "/".join(components))
+
+    @property
+    def parent(self) -> StorageLocation:
+        """The containing location (itself at the root)."""
+        parent = posixpath.dirname(self.path)
+        return _replace_path(self, parent or self.path)
+
+    # ---- small I/O helpers (all via `filesystem`; POSIX-specific where atomicity needs it) ----------------
+    def exists(self) -> bool:
+        """True when a file or directory (or S3 prefix with objects) is here."""
+        return self.filesystem.get_file_info(self.path).type != pafs.FileType.NotFound
+
+    def is_dir(self) -> bool:
+        """True when a directory (or a non-empty S3 prefix) is here."""
+        return self.filesystem.get_file_info(self.path).type == pafs.FileType.Directory
+
+    def is_file(self) -> bool:
+        """True when a file (object) is here."""
+        return self.filesystem.get_file_info(self.path).type == pafs.FileType.File
+
+    def size(self) -> int:
+        """Size in bytes of the file here; RaytrainError when missing."""
+        info = self.filesystem.get_file_info(self.path)
+        if info.type != pafs.FileType.File:
+            raise RaytrainError(f"{self.uri}: no file here (found {info.type.name})")
+        return int(info.size)
+
+    def mtime_s(self) -> float | None:
+        """Modification time (epoch seconds) as the storage reports it, or None when unknown/missing."""
+        info = self.filesystem.get_file_info(self.path)
+        return None if info.mtime is None else info.mtime.timestamp()
+
+    def mkdirs(self) -> None:
+        """Create the directory and parents (no-op on S3, where prefixes exist once objects do)."""
+        if self.scheme != "s3":
+            self.filesystem.create_dir(self.path, recursive=True)
+
+    def listdir(self) -> list[str]:
+        """Sorted names of the immediate children; [] when missing (S3 cannot tell missing from empty)."""
+        try:
+            infos = self.filesystem.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        except NotADirectoryError:
+            return []
+        return sorted(posixpath.basename(i.path.rstrip("/")) for i in infos)
+
+    def list_files(self) -> dict[str, int]:
+        """All files below this directory, recursively: {relative posix path: size in bytes}; {} when missing."""
+        infos = self.filesystem.get_file_info(pafs.FileSelector(self.path, recursive=True, allow_not_found=True))
+        prefix = self.path.rstrip("/") + "/"
+        return {i.path[len(prefix) :]: int(i.size) for i in infos if i.type == pafs.FileType.File}
+
+    def open_input(self, text: bool = False) -> IO[Any]:
+        """Open the file here for reading (bytes, or UTF-8 text when `text`)."""
+        stream = self.filesystem.open_input_stream(self.path)
+        return io.TextIOWrapper(stream, encoding="utf-8") if text else stream
+
+    def open_output(self, text: bool = False) -> IO[Any]:
+        """Open the file here for writing, creating parents (bytes, or UTF-8 text when `text`). Not atomic."""
+        if self.scheme != "s3":
+            self.filesystem.create_dir(posixpath.dirname(self.path), recursive=True)
+        stream = self.filesystem.open_output_stream(self.path)
+        return io.TextIOWrapper(stream, encoding="utf-8") if text else stream
+
+    def read_bytes(self) -> bytes:
+        """Whole file content."""
+        with self.open_input() as f:
+            return f.read()
+
+    def read_text(self) -> str:
+        """Whole file content decoded as UTF-8."""
+        return self.read_bytes().decode("utf-8")
+
+    def write_atomic(self, data: bytes | str) -> None:
+        """Write a small file so that readers see the old content or the new, never a torn one.
+
+        POSIX: temp file in the same directory + fsync + os.replace + fsync of the directory. S3: one object
+        upload (a PUT / CompleteMultipartUpload is atomic). HDFS: temp + delete + rename; a reader may briefly
+        find no file (never a partial one), so readers of pointer files must tolerate a missing file.
+        """
+        payload = data.encode("utf-8") if isinstance(data, str) else data
+        if self.scheme == "file":
+            _posix_write_atomic(self.path, payload)
+        elif self.scheme == "s3":
+            with self.filesystem.open_output_stream(self.path) as f:
+                f.write(payload)
+        else:
+            tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
+            self.filesystem.create_dir(posixpath.dirname(self.path), recursive=True)
+            with self.filesystem.open_output_stream(tmp) as f:
+                f.write(payload)
+            if self.exists():
+                self.filesystem.delete_file(self.path)  # HDFS rename refuses an existing destination
+            self.filesystem.move(tmp, self.path)
+
+    def delete_file(self, missing_ok: bool = True) -> None:
+        """Remove the file here."""
+        try:
+            self.filesystem.delete_file(self.path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def delete_dir(self, missing_ok: bool = True) -> None:
+        """Remove the directory/prefix here and everything below it."""
+        if not self.exists():
+            if missing_ok:
+                return
+            raise RaytrainError(f"{self.uri}: cannot delete, nothing is there")
+        self.filesystem.delete_dir(self.path)
+
+    def __str__(self) -> str:
+        return self.uri
+
+
+def resolve(uri: str, *, s3_endpoint: str | None = None) -> StorageLocation:
+    """Turn a user's path or URI into a StorageLocation.
+
+    Accepts a POSIX path (relative paths become absolute against the working directory), `file:///abs`,
+    `s3://bucket/key` (also s3a://, s3n://) and `hdfs://[host:port]/abs`. The S3 endpoint is `s3_endpoint`,
+    else $AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL, else AWS. Raises RaytrainError for an empty path, an
+    unknown scheme, a scheme with a relative path ("s3:bucket", "file:x"), "..", or a missing bucket.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise RaytrainError(f"storage path is empty ({uri!r}); pass a POSIX path, file://, s3:// or hdfs:// URI")
+    uri = uri.strip()
+    scheme_match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    if scheme_match is None:
+        return StorageLocation(scheme="file", path=os.path.abspath(os.path.expanduser(uri)))
+
+    raw_scheme = scheme_match.group(1).lower()
+    scheme = _SCHEME_ALIASES.get(raw_scheme, raw_scheme)
+    if scheme not in SUPPORTED_SCHEMES:
+        raise RaytrainError(
+            f"storage URI {uri!r}: unknown scheme {raw_scheme!r}; use a POSIX path or one of "
+            f"{', '.join(s + '://' for s in SUPPORTED_SCHEMES)}"
+        )
+    if not uri[len(raw_scheme) + 1 :].startswith("//"):
+        raise RaytrainError(
+            f"storage URI {uri!r} has a scheme but a relative path; write it as {_URI_EXAMPLES[scheme]}"
+        )
+    parts = urlsplit(uri)
+    if parts.query or parts.fragment:
+        raise RaytrainError(f"storage URI {uri!r}: query strings and fragments are not supported; remove them")
+    _reject_dotdot(uri, parts.path)
+
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise RaytrainError(
+                f"storage URI {uri!r}: file URIs take no host ({parts.netloc!r}); write file:///absolute/path"
+            )
+        if not parts.path:
+            raise RaytrainError(f"storage URI {uri!r} names no path; write file:///absolute/path")
+        return StorageLocation(scheme="file", path=posixpath.normpath(parts.path))
+
+    if scheme == "s3":
+        bucket = parts.netloc
+        if not bucket:
+            raise RaytrainError(f"storage URI {uri!r} names no bucket; write s3://bucket/key")
+        key = parts.path.strip("/")
+        if "//" in key:
+            raise RaytrainError(f"storage URI {uri!r} has an empty path component ('//'); remove it")
+        endpoint = s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return StorageLocation(scheme="s3", path=f"{bucket}/{key}" if key else bucket, s3_endpoint=endpoint or None)
+
+    path = posixpath.normpath(parts.path) if parts.path.strip("/") else ""
+    if not path:
+        raise RaytrainError(f"storage URI {uri!r} names no path; write hdfs://namenode:8020/absolute/path")
+    return StorageLocation(scheme="hdfs", path=path, authority=parts.netloc)
+
+
+def validate_name(value: str, field: str) -> str:
+    """Return `value` when it is a safe single path component ([A-Za-z0-9._-]+, not "." or ".."), else raise."""
+    if not isinstance(value, str) or not _NAME_RE.match(value) or value in (".", ".."):
+        raise RaytrainError(
+            f"{field}={value!r} is not a valid name: use letters, digits, '.', '_' or '-' (e.g. {field}=my-run-01)"
+        )
+    return value
+
+
+def run_root(root: StorageLocation, user: str, project: str, run: str) -> StorageLocation:
+    """`<root>/<user>/<project>/<run>`; each name validated, the error names the field (user/project/run)."""
+    return root.join(validate_name(user, "user"), validate_name(project, "project"), validate_name(run, "run"))
+
+
+def default_user(configured: str | None = None) -> str:
+    """The user name for run paths: `configured` (from the job config), else $RAYTRAIN_USER, $USER, $LOGNAME,
+    else getpass.getuser(). Raises RaytrainError when none is found or the name is not path-safe."""
+    for field, value in (
+        ("user", configured),
+        ("RAYTRAIN_USER", os.environ.get("RAYTRAIN_USER")),
+        ("USER", os.environ.get("USER")),
+        ("LOGNAME", os.environ.get("LOGNAME")),
+    ):
+        if value:
+            return validate_name(value, field)
+    try:
+        return validate_name(getpass.getuser(), "user")
+    except (KeyError, OSError) as exc:  # no passwd entry (containers with arbitrary uids)
+        raise RaytrainError("cannot tell the user name; set user=<name> in the config or RAYTRAIN_USER") from exc
+
+
+# ---- internals ---------------------------------------------------------------------------------------------
+def _replace_path(loc: StorageLocation, path: str) -> StorageLocation:
+    return StorageLocation(scheme=loc.scheme, path=path, authority=loc.authority, s3_endpoint=loc.s3_endpoint)
+
+
+def _reject_dotdot(uri: str, path: str) -> None:
+    if any(comp == ".." for comp in path.split("/")):
+        raise RaytrainError(f"storage URI {uri!r} contains '..'; give the resolved path instead")
+
+
+@functools.lru_cache(maxsize=32)
+def _filesystem(scheme: str, authority: str, s3_endpoint: str | None) -> pafs.FileSystem:
+    """One pyarrow filesystem per store (cached: S3/HDFS clients are costly to build and hold connection pools)."""
+    if scheme == "file":
+        return pafs.LocalFileSystem()
+    if scheme == "s3":
+        if s3_endpoint is None:
+            return pafs.S3FileSystem()
+        split = urlsplit(s3_endpoint if "://" in s3_endpoint else f"https://{s3_endpoint}")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        return pafs.S3FileSystem(endpoint_override=split.netloc, scheme=split.scheme, region=region)
+    host, _, port = authority.partition(":")
+    # HadoopFileSystem needs libhdfs + a Hadoop classpath; it is only built when an hdfs:// location is used.
+    try:
+        return pafs.HadoopFileSystem(host or "default", int(port) if port else 0)
+    except (OSError, ValueError) as exc:
+        raise RaytrainError(
+            f"cannot connect to HDFS at {authority or 'fs.defaultFS'}: {exc}; set HADOOP_HOME, CLASSPATH "
+            "(`hadoop classpath --glob`) and ARROW_LIBHDFS_DIR on every node"
+        ) from exc
+
+
+def _posix_write_atomic(path: str, payload: bytes) -> None:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: str) -> None:
+    """fsync a POSIX directory so a rename/create in it survives a crash (best effort where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some parallel filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,29 @@
+"""Integration tests start real Ray (in-process local cluster, one per module), real Spark via RayDP, real
+DeepSpeed engines in Ray Train workers. They are slower: run them alone with `pytest tests/integration`."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One embedded Ray per test module (4 logical CPUs: trainer workers + Ray Data + a Spark executor)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    from raytrain.runner import WORKER_ENV
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+    yield ray
+    ray.shutdown()

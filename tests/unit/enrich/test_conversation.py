@@ -1,0 +1,137 @@
+"""derive_example / build_training_messages on hand-made rows, including rows read back through pyarrow/pandas."""
+
+import pickle
+
+import pyarrow as pa
+import pytest
+
+from raytrain.enrich.conversation import (
+    BAD_ROLE,
+    EMPTY_ANSWER,
+    MISSING_MESSAGES,
+    MISSING_UUID,
+    QUARANTINE_REASONS,
+    TOO_LONG,
+    UNDECODABLE_TEXT,
+    Example,
+    Quarantined,
+    build_training_messages,
+    derive_example,
+)
+from raytrain.enrich.schema import EXAMPLE_SCHEMA, NEMOTRON_V1_SCHEMA, QUARANTINE_SCHEMA
+
+
+def _m(role, content, tool_calls=None):
+    return {"role": role, "content": content, "tool_calls": tool_calls}
+
+
+def _row(messages, **kw):
+    return {"uuid": "u-1", "license": "cc-by-4.0", "category": "chat", "reasoning": "off", "messages": messages, **kw}
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+MULTI = [
+    _m("system", "You are terse. Oslo is in Norway."),
+    _m("user", "Where is Oslo?"),
+    _m("assistant", "Norway."),
+    _m("user", "Weather there?"),
+    _m("assistant", "", [CALL]),
+    _m("tool", '{"temp_c": 3}'),
+    _m("assistant", "3 °C in Oslo."),
+]
+
+
+def test_multi_turn_fields_and_all_assistant_turns_kept():
+    ex = derive_example(_row(MULTI))
+    assert isinstance(ex, Example)
+    assert ex.context == "You are terse. Oslo is in Norway.\n\nWhere is Oslo?\n\nNorway."
+    assert ex.question == "Weather there?"
+    assert ex.answer == "3 °C in Oslo."
+    assert [m["role"] for m in ex.messages] == [m["role"] for m in MULTI]
+    assert [m["content"] for m in ex.messages if m["role"] == "assistant"] == ["Norway.", "", "3 °C in Oslo."]
+    assert ex.messages[4]["tool_calls"] == [CALL]
+    assert all(m["tool_calls"] == [] for i, m in enumerate(ex.messages) if i != 4)
+
+
+def test_final_turn_tool_calls_are_rendered_in_answer():
+    ex = derive_example(_row([_m("user", "Weather in Oslo?"), _m("assistant", "Checking.", [CALL])]))
+    assert ex.answer == 'Checking.\n<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+
+
+def test_record_matches_example_schema_and_pickles():
+    ex = derive_example(_row(MULTI))
+    table = pa.Table.from_pylist([ex.to_record()], schema=EXAMPLE_SCHEMA)
+    assert table.to_pylist()[0] == ex.to_record()
+    assert pickle.loads(pickle.dumps(ex)) == ex
+    q = derive_example({"uuid": None})
+    assert pa.Table.from_pylist([q.to_record()], schema=QUARANTINE_SCHEMA).to_pylist()[0] == q.to_record()
+
+
+def test_rows_from_pandas_numpy_arrays_give_the_same_example():
+    # pandas turns Arrow list columns into numpy object arrays: what a Spark pandas UDF receives
+    row = dict(_row(MULTI), generator="g", version="v1", metadata="")
+    pdf = pa.Table.from_pylist([row], schema=NEMOTRON_V1_SCHEMA).to_pandas()
+    from_pandas = derive_example(pdf.to_dict("records")[0])
+    assert type(pdf.iloc[0]["messages"]).__name__ == "ndarray"
+    assert from_pandas == derive_example(row)
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"uuid": None, "messages": [_m("user", "q"), _m("assistant", "a")]}, MISSING_UUID),
+        ({"uuid": "  ", "messages": [_m("user", "q"), _m("assistant", "a")]}, MISSING_UUID),
+        (_row(None), MISSING_MESSAGES),
+        (_row([]), MISSING_MESSAGES),
+        (_row([_m("user", "q"), _m("narrator", "a")]), BAD_ROLE),
+        (_row([_m("assistant", "a"), _m("user", "q")]), BAD_ROLE),
+        (_row([_m("user", "q"), _m("tool", "x"), _m("assistant", "a")]), BAD_ROLE),
+        (_row([_m("user", "q"), _m("system", "late"), _m("assistant", "a")]), BAD_ROLE),
+        (_row(["not a dict"]), BAD_ROLE),
+        (_row([_m("user", "q\ufffd"), _m("assistant", "a")]), UNDECODABLE_TEXT),
+        (_row([_m("user", "q"), _m("assistant", "a\x00b")]), UNDECODABLE_TEXT),
+        (_row([_m("user", "q\ud800"), _m("assistant", "a")]), UNDECODABLE_TEXT),
+        (_row([_m("user", b"\xff\xfe"), _m("assistant", "a")]), UNDECODABLE_TEXT),
+        (_row([_m("user", "q"), _m("assistant", 42)]), UNDECODABLE_TEXT),
+        (_row([_m("user", "q"), _m("assistant", " \n ")]), EMPTY_ANSWER),
+        (_row([_m("user", "q")]), EMPTY_ANSWER),
+        (_row([_m("user", "q"), _m("assistant", "", [CALL]), _m("tool", "x")]), EMPTY_ANSWER),
+        (_row([_m("user", "q"), _m("assistant", "a" * 101)]), TOO_LONG),
+    ],
+)
+def test_quarantine_reasons(row, reason):
+    out = derive_example(row, max_chars=100)
+    assert isinstance(out, Quarantined)
+    assert out.reason == reason and out.reason in QUARANTINE_REASONS
+    assert out.detail
+
+
+def test_tabs_newlines_and_exact_max_chars_are_fine():
+    out = derive_example(_row([_m("user", "a\tb\r\n"), _m("assistant", "x" * 95)]), max_chars=100)
+    assert isinstance(out, Example)
+
+
+def test_reasoning_inferred_when_missing():
+    on = derive_example(_row([_m("user", "q"), _m("assistant", "<think>hm</think>a")], reasoning=None))
+    off = derive_example(_row([_m("user", "q"), _m("assistant", "a")], reasoning="weird"))
+    assert (on.reasoning, off.reasoning) == ("on", "off")
+    assert derive_example(_row([_m("user", "q"), _m("assistant", "a")], reasoning="ON")).reasoning == "on"
+
+
+def test_build_training_messages_merges_into_existing_system_prompt():
+    ex = derive_example(_row(MULTI))
+    out = build_training_messages(ex, ["Oslo is in Norway.", "It rains."])
+    assert out[0] == {"role": "system", "content": "You are terse. Oslo is in Norway.\n\nContext:\nOslo is in Norway.\nIt rains.",
+                      "tool_calls": []}
+    assert out[1:] == [dict(m) for m in ex.messages[1:]]
+    assert ex.messages[0]["content"] == "You are terse. Oslo is in Norway."  # example untouched
+
+
+def test_build_training_messages_adds_system_prompt_or_replaces_it():
+    ex = derive_example(_row([_m("user", "q"), _m("assistant", "a")]))
+    assert build_training_messages(ex, ["A.", "B."])[0] == {"role": "system", "content": "Context:\nA.\nB.", "tool_calls": []}
+    assert build_training_messages(ex, []) == [dict(m) for m in ex.messages]
+    multi = derive_example(_row(MULTI))
+    replaced = build_training_messages(multi, ["Oslo is in Norway."], replace_system_prompt=True)
+    assert replaced[0]["content"] == "Context:\nOslo is in Norway."
+    assert [m["role"] for m in replaced] == [m["role"] for m in MULTI]

@@ -1,0 +1,254 @@
+"""The PipelineModule inside a real DeepSpeed engine (one process, gloo, CPU accelerator), checked against
+transformers + torch.optim.AdamW, and the Hugging Face import/export round trips."""
+
+import copy
+import os
+import shutil
+import socket
+
+import mistral_common
+import pytest
+import torch
+import transformers
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+from raytrain.errors import RaytrainError
+from raytrain.pipeline.hf_io import export_to_hf, load_hf_into_stage
+from raytrain.pipeline.model import MistralConfig, hf_prefix
+from raytrain.pipeline.module import build_pipeline_module, stage_layer_ranges, stage_range
+
+deepspeed = pytest.importorskip("deepspeed")
+
+CFG = MistralConfig.preset("tiny")
+MICRO_BATCH_SIZE, GRAD_ACCUM, SEQ_LEN = 2, 2, 16
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+V3_TOKENIZER = os.path.join(os.path.dirname(mistral_common.__file__), "data",
+                            "mistral_instruct_tokenizer_240323.model.v3")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    """One single-process gloo group for the whole module (DeepSpeed picks its CPU accelerator without a GPU)."""
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    created = not torch.distributed.is_initialized()
+    if created:
+        deepspeed.init_distributed("gloo")
+    yield
+    if created:
+        torch.distributed.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def hf_reference(seed: int = 0) -> transformers.MistralForCausalLM:
+    torch.manual_seed(seed)
+    return transformers.MistralForCausalLM._from_config(CFG.to_hf(), attn_implementation="eager")
+
+
+def micro_batches(num: int, seed: int = 5):
+    """(inputs, labels) micro-batches for the engine, plus the HF-style (unshifted) labels for the reference."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num):
+        input_ids = torch.randint(0, CFG.vocab_size, (MICRO_BATCH_SIZE, SEQ_LEN), generator=generator)
+        hf_labels = input_ids.clone()
+        hf_labels[:, :3] = -100  # a masked prompt
+        shifted = torch.cat([hf_labels[:, 1:], torch.full_like(hf_labels[:, :1], -100)], dim=1)
+        position_ids = torch.arange(SEQ_LEN).expand(MICRO_BATCH_SIZE, SEQ_LEN).contiguous()
+        inputs = (input_ids, position_ids, torch.zeros_like(input_ids))
+        batches.append(((inputs, shifted), hf_labels))
+    return batches
+
+
+def ds_config() -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
+        "gradient_accumulation_steps": GRAD_ACCUM,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]), "torch_adam": True}},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10_000,
+    }
+
+
+def stage_named_parameters(module) -> dict[str, torch.nn.Parameter]:
+    """The stage's parameters under their Hugging Face names."""
+    start, _stop = stage_range(module)
+    return {hf_prefix(start + i, CFG) + name: p
+            for i, layer in enumerate(module.forward_funcs) for name, p in layer.named_parameters()}
+
+
+def stage_state(module) -> dict[str, torch.Tensor]:
+    """HF-named copy of the stage's parameters."""
+    return {name: p.detach().clone() for name, p in stage_named_parameters(module).items()}
+
+
+def capture_gradients(engine, module) -> dict[str, torch.Tensor]:
+    """Fill the returned dict with the HF-named gradients the optimizer sees at its next step.
+
+    Adam's first step is nearly invariant to the gradient's scale, so comparing updated weights alone would miss a
+    wrong loss scaling (e.g. gradient accumulation); the gradients themselves are compared too.
+    """
+    names = {id(p): name for name, p in stage_named_parameters(module).items()}
+    captured: dict[str, torch.Tensor] = {}
+
+    def snapshot(optimizer, _args, _kwargs):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                captured[names[id(param)]] = param.grad.detach().clone()
+
+    engine.optimizer.register_step_pre_hook(snapshot)
+    return captured
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf")
+    hf_reference().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(gloo_group, hf_dir, tmp_path_factory):
+    """One DeepSpeed train_batch from HF weights, and the same step done by transformers + torch AdamW."""
+    module = build_pipeline_module(CFG, num_stages=1, seed=99)
+    load_hf_into_stage(module, hf_dir)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(), model_parameters=module.parameters())
+    batches = micro_batches(GRAD_ACCUM)
+    ds_grads = capture_gradients(engine, module)
+    ds_loss = engine.train_batch(data_iter=iter([b for b, _ in batches]))
+
+    reference = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
+    before = copy.deepcopy(reference.state_dict())
+    optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    ref_losses = []
+    for ((input_ids, _pos, _seg), _shifted), hf_labels in batches:
+        loss = reference(input_ids=input_ids, labels=hf_labels).loss
+        (loss / GRAD_ACCUM).backward()
+        ref_losses.append(loss.detach())
+    ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters()}
+    optimizer.step()
+    save_dir = tmp_path_factory.mktemp("ds_ckpt")
+    engine.save_checkpoint(str(save_dir), tag="step1")
+    return dict(engine=engine, module=module, ds_loss=ds_loss, ref_loss=torch.stack(ref_losses).mean(),
+                ds_grads=ds_grads, ref_grads=ref_grads,
+                reference=reference.eval(), before=before, ckpt_tag_dir=save_dir / "step1")
+
+
+def test_real_pipeline_module_partition_matches_stage_layer_ranges(trained):
+    module = trained["module"]
+    assert [tuple(int(x) for x in module.parts[s:s + 2]) for s in range(1)] == stage_layer_ranges(CFG, 1)
+    assert stage_range(module) == (0, CFG.num_pipeline_layers)
+
+
+def test_load_hf_into_stage_copies_every_tensor(gloo_group, hf_dir, tmp_path):
+    module = build_pipeline_module(CFG, num_stages=1, seed=3)
+    loaded = load_hf_into_stage(module, hf_dir)
+    reference = hf_reference().state_dict()
+    assert sorted(loaded) == sorted(reference)
+    for name, tensor in stage_state(module).items():
+        assert torch.equal(tensor, reference[name]), name
+    # Sharded checkpoints (model.safetensors.index.json) load the same tensors.
+    sharded = tmp_path / "sharded"
+    hf_reference().save_pretrained(sharded, max_shard_size="1MB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    module = build_pipeline_module(CFG, num_stages=1, seed=4)
+    load_hf_into_stage(module, sharded)
+    for name, tensor in stage_state(module).items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_train_batch_loss_gradients_and_update_match_torch_adamw(trained):
+    torch.testing.assert_close(trained["ds_loss"].float(), trained["ref_loss"], rtol=1e-5, atol=0.0)
+    assert sorted(trained["ds_grads"]) == sorted(trained["ref_grads"])
+    for name, grad in trained["ds_grads"].items():
+        torch.testing.assert_close(grad, trained["ref_grads"][name], rtol=1e-4, atol=1e-8, msg=name)
+    updated = trained["reference"].state_dict()
+    before = trained["before"]
+    for name, ours in stage_state(trained["module"]).items():
+        torch.testing.assert_close(ours, updated[name], rtol=0.0, atol=1e-5, msg=name)
+        # The step moved the weights: a no-op optimizer would fail the comparison of the deltas.
+        delta_ours, delta_ref = ours - before[name], updated[name] - before[name]
+        if delta_ref.abs().max() > 0:
+            assert (delta_ours - delta_ref).norm() <= 1e-3 * delta_ref.norm(), name
+
+
+def test_export_round_trip_loads_in_transformers_and_generates(trained, tmp_path):
+    out = export_to_hf(trained["ckpt_tag_dir"], CFG, tmp_path / "export")
+    exported = transformers.MistralForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ((inputs, _labels), _hf_labels) = micro_batches(1, seed=11)[0]
+    module = trained["module"].eval()
+    with torch.no_grad():
+        ours = module(inputs)
+        theirs = exported(input_ids=inputs[0]).logits
+    module.train()
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+    prompt = inputs[0][:1, :4]
+    generated = exported.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=2)
+    new_tokens = generated[0, 4:].tolist()
+    assert len(new_tokens) >= 1 and all(0 <= t < CFG.vocab_size for t in new_tokens)
+    text = MistralTokenizer.from_file(V3_TOKENIZER).decode(new_tokens)
+    assert isinstance(text, str)
+
+    # Sharded export (index + shards) loads to the same logits.
+    sharded = export_to_hf(trained["ckpt_tag_dir"], CFG, tmp_path / "sharded", max_shard_bytes=2**20)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    reloaded = transformers.MistralForCausalLM.from_pretrained(sharded, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=inputs[0]).logits, theirs, rtol=0.0, atol=0.0)
+
+
+def test_export_names_the_missing_layer_file(trained, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(trained["ckpt_tag_dir"], partial)
+    (partial / "layer_02-model_states.pt").unlink()
+    with pytest.raises(RaytrainError, match=r"layer_02-model_states\.pt is missing: pipeline layer 2 "
+                                            r"\(model\.layers\.1\.\*\)"):
+        export_to_hf(partial, CFG, tmp_path / "out")
+    with pytest.raises(RaytrainError, match="already holds"):
+        out = export_to_hf(trained["ckpt_tag_dir"], CFG, tmp_path / "twice")
+        export_to_hf(trained["ckpt_tag_dir"], CFG, out)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(gloo_group, hf_dir):
+    """Checkpointing decoder layers must not change the loss or cut any parameter off from its gradient."""
+    results = []
+    for interval in (0, 1):
+        module = build_pipeline_module(CFG, num_stages=1, activation_checkpoint_interval=interval)
+        load_hf_into_stage(module, hf_dir)
+        engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(),
+                                               model_parameters=module.parameters())
+        engine.train_batch(data_iter=iter([b for b, _ in micro_batches(GRAD_ACCUM)]))
+        results.append(stage_state(module))
+    for name in results[0]:
+        torch.testing.assert_close(results[1][name], results[0][name], rtol=0.0, atol=1e-6, msg=name)
+
+
+def test_export_casts_to_bf16_and_transformers_loads_it(tmp_path):
+    """Layer files as DeepSpeed names them, written by hand (no engine needed): export with dtype=bfloat16."""
+    from raytrain.pipeline.model import build_sequential
+
+    layers = build_sequential(CFG, seed=1)
+    tag_dir = tmp_path / "tag"
+    tag_dir.mkdir()
+    for i, layer in enumerate(layers):
+        torch.save(layer.state_dict(), tag_dir / f"layer_{i:02d}-model_states.pt")
+    out = export_to_hf(tag_dir, CFG, tmp_path / "out", dtype=torch.bfloat16)
+    loaded = transformers.MistralForCausalLM.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16
+    state = loaded.state_dict()
+    for i, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            assert torch.equal(state[hf_prefix(i, CFG) + name], param.detach().to(torch.bfloat16)), name
+    assert loaded.generation_config.eos_token_id == 2

@@ -1,0 +1,174 @@
+"""The same resolver, store and lock against a real S3 protocol server (moto, loopback only)."""
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from raytrain.checkpoint import store as store_module
+from raytrain.checkpoint.store import CheckpointStore
+from raytrain.errors import RaytrainError
+from raytrain.runlock import RunLock
+from raytrain.storage import resolve, run_root
+
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3(endpoint, request):
+    """(boto3 client, a fresh bucket name): boto3 is the independent view of what landed in the bucket."""
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    bucket = request.node.name.lower().replace("_", "-")[:50]
+    client.create_bucket(Bucket=bucket)
+    return client, bucket
+
+
+def _keys(client, bucket, prefix=""):
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def _stage(store, step, rank_files, tmp_path):
+    """Two ranks on two 'nodes' (different local dirs), each uploading only its own files."""
+    for rank, files in enumerate(rank_files):
+        local = str(tmp_path / f"node{rank}" / f"step{step}")
+        for rel, data in files.items():
+            os.makedirs(os.path.dirname(os.path.join(local, rel)), exist_ok=True)
+            with open(os.path.join(local, rel), "wb") as f:
+                f.write(data)
+        store.upload(step, local)
+
+
+def _rank_files(step):
+    return [
+        {f"global_step{step}/layer_00-model_states.pt": os.urandom(3000), "global_step{step}/zero.pt": b"r0"},
+        {f"global_step{step}/layer_01-model_states.pt": os.urandom(2000 + step)},
+    ]
+
+
+def test_helpers_and_endpoint_from_env(s3, endpoint, monkeypatch):
+    client, bucket = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    loc = resolve(f"s3://{bucket}/a")
+    assert loc.s3_endpoint == endpoint and not loc.exists()
+    loc.join("x/p.txt").write_atomic("hello")
+    with loc.join("b.bin").open_output() as f:
+        f.write(b"\x01\x02")
+    assert client.get_object(Bucket=bucket, Key="a/x/p.txt")["Body"].read() == b"hello"
+    assert loc.join("x/p.txt").read_text() == "hello"
+    assert loc.listdir() == ["b.bin", "x"] and loc.list_files() == {"x/p.txt": 5, "b.bin": 2}
+    loc.delete_dir()
+    assert _keys(client, bucket, "a/x/") == [] and not loc.join("x/p.txt").exists()
+
+
+def test_commit_latest_download(s3, endpoint, tmp_path, monkeypatch):
+    client, bucket = s3
+    run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "alice", "proj", "run1")
+    store = CheckpointStore(run, local_staging_root=str(tmp_path / "local"))
+    staging = store.staging_dir(10)
+    assert staging.startswith(str(tmp_path / "local")) and os.path.isdir(staging)
+    files = _rank_files(10)
+    _stage(store, 10, files, tmp_path)
+
+    def no_read_back(loc, fsync):
+        raise AssertionError(f"commit read {loc.uri} back; the upload sidecars should have its hash")
+
+    with monkeypatch.context() as m:
+        m.setattr(store_module, "_hash_file", no_read_back)
+        uri = store.commit(10, {"metrics": {"loss": 2.0}, "data_position": {"rows": 80}})
+    assert uri == f"s3://{bucket}/alice/proj/run1/checkpoints/step_00000010"
+    prefix = "alice/proj/run1/checkpoints/"
+    keys = _keys(client, bucket, prefix)
+    assert prefix + "step_00000010/manifest.json" in keys and prefix + "latest" in keys
+    assert not [k for k in keys if ".raytrain-upload-" in k]  # sidecars are gone after commit
+    all_files = {**files[0], **files[1]}
+    manifest = json.loads(client.get_object(Bucket=bucket, Key=prefix + "step_00000010/manifest.json")["Body"].read())
+    assert manifest["files"] == {
+        r: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for r, d in all_files.items()
+    }
+    ckpt = store.latest()
+    assert ckpt.step == 10 and ckpt.local_path is None and store.verify(ckpt) is ckpt
+    out = store.download(ckpt, str(tmp_path / "dl"))
+    for rel, data in all_files.items():
+        assert open(os.path.join(out, rel), "rb").read() == data
+
+
+def test_uncommitted_upload_is_partial_and_cleaned(s3, endpoint, tmp_path):
+    client, bucket = s3
+    run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "u", "p", "r")
+    store = CheckpointStore(run, local_staging_root=str(tmp_path / "local"))
+    _stage(store, 10, _rank_files(10), tmp_path)
+    store.commit(10, {})
+    _stage(store, 20, _rank_files(20), tmp_path)  # uploaded, never committed (job died)
+    assert store.latest().step == 10
+    removed = store.cleanup_partials()
+    assert removed == [f"s3://{bucket}/u/p/r/checkpoints/step_00000020"]
+    assert _keys(client, bucket, "u/p/r/checkpoints/step_00000020") == []
+    assert store.latest().step == 10
+
+
+def test_corruption_and_retention_on_s3(s3, endpoint, tmp_path):
+    client, bucket = s3
+    run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "u", "p", "r")
+    store = CheckpointStore(run, keep_last=2, local_staging_root=str(tmp_path / "local"))
+    for step in (10, 20, 30):
+        _stage(store, step, _rank_files(step), tmp_path)
+        store.commit(step, {})
+    assert [c.step for c in store.committed()] == [20, 30]
+    assert _keys(client, bucket, "u/p/r/checkpoints/step_00000010") == []
+    key = "u/p/r/checkpoints/step_00000030/global_step30/layer_01-model_states.pt"
+    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=bytes([body[0] ^ 1]) + body[1:])
+    with pytest.raises(RaytrainError, match="layer_01-model_states.pt"):
+        store.verify(store.latest())
+    lenient = CheckpointStore(run, on_corrupt="fallback")
+    assert lenient.verify(lenient.latest()).step == 20
+
+
+def test_runlock_on_s3(s3, endpoint):
+    _, bucket = s3
+    run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "u", "p", "r")
+    with RunLock(run, heartbeat_interval_s=None, settle_s=0.05):
+        with pytest.raises(RaytrainError, match=f"pid {os.getpid()}"):
+            RunLock(run, heartbeat_interval_s=None, settle_s=0.05).acquire()
+    assert not run.join(".lock").exists()
+
+
+def test_staging_dir_is_removed_after_upload_and_rerun_uncommits(s3, endpoint, tmp_path):
+    client, bucket = s3
+    run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "u", "p", "r")
+    store = CheckpointStore(run, local_staging_root=str(tmp_path / "local"))
+    staging = store.staging_dir(10)
+    with open(os.path.join(staging, "w.bin"), "wb") as f:
+        f.write(b"first")
+    store.upload(10, staging)
+    assert not os.path.exists(staging)  # node-local temp space is freed once the bytes are on S3
+    store.commit(10, {})
+    assert store.latest().step == 10
+    # A re-run of step 10 (resumed from an earlier step) uncommits the old prefix before writing into it.
+    staging = store.staging_dir(10)
+    with open(os.path.join(staging, "w.bin"), "wb") as f:
+        f.write(b"second")
+    store.upload(10, staging)
+    assert store.get(10) is None
+    store.commit(10, {})
+    assert client.get_object(Bucket=bucket, Key="u/p/r/checkpoints/step_00000010/w.bin")["Body"].read() == b"second"
+    assert store.verify(store.latest()).manifest["files"]["w.bin"]["size"] == 6

@@ -1,0 +1,184 @@
+"""resolve / StorageLocation / run_root against pyarrow's and pathlib's own URI handling."""
+
+import os
+import pathlib
+import threading
+
+import pyarrow.fs as pafs
+import pytest
+
+from raytrain.errors import RaytrainError
+from raytrain.storage import RUN_SUBDIRS, default_user, resolve, run_root
+
+
+@pytest.mark.parametrize("given", ["/mnt/lustre/team", "/tmp/x/../y", "file:///mnt/gpfs/a/"])
+def test_posix_paths_match_pyarrow_and_pathlib(given):
+    loc = resolve(given)
+    assert loc.scheme == "file"
+    # References: pyarrow's own URI parser and pathlib's URI writer.
+    if given.startswith("file:"):
+        _, ref_path = pafs.FileSystem.from_uri(given)
+        assert loc.path == os.path.normpath(ref_path)
+    else:
+        assert loc.path == os.path.abspath(given)
+    assert loc.uri == pathlib.PurePosixPath(loc.path).as_uri()
+    assert loc.spark_uri == loc.uri  # explicit file://, so an HDFS fs.defaultFS cannot redirect it
+    assert loc.local_path == loc.path
+    assert isinstance(loc.filesystem, pafs.LocalFileSystem)
+    assert loc.ray_storage_path == loc.path and loc.ray_storage_filesystem is None
+
+
+def test_file_localhost_uri_is_local():
+    # RFC 8089 allows "localhost" as the host of a local file URI (pyarrow refuses it; we accept it).
+    assert resolve("file://localhost/srv/w") == resolve("/srv/w")
+
+
+def test_relative_path_becomes_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    loc = resolve("runs/a")
+    assert loc.path == str(tmp_path / "runs" / "a")
+    assert loc.spark_uri == (tmp_path / "runs" / "a").as_uri()
+
+
+def test_s3_views(monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    loc = resolve("s3://bucket/runs/x/")
+    assert (loc.scheme, loc.path, loc.uri, loc.spark_uri) == (
+        "s3",
+        "bucket/runs/x",
+        "s3://bucket/runs/x",
+        "s3a://bucket/runs/x",
+    )
+    assert loc.s3_endpoint is None and loc.local_path is None and loc.spark_conf == {}
+    assert resolve(loc.spark_uri) == loc  # s3a:// resolves back to the same place
+    assert loc.ray_storage_path == "bucket/runs/x"
+
+
+def test_s3_endpoint_argument_and_env(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    assert resolve("s3://b/k").s3_endpoint == "http://127.0.0.1:9000"
+    assert resolve("s3://b/k", s3_endpoint="http://127.0.0.1:9999").s3_endpoint == "http://127.0.0.1:9999"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:7000")  # the service-specific variable wins
+    loc = resolve("s3://b/k")
+    assert loc.s3_endpoint == "http://127.0.0.1:7000"
+    assert loc.join("c").s3_endpoint == loc.s3_endpoint  # children keep the endpoint
+    assert loc.spark_conf["spark.hadoop.fs.s3a.endpoint"] == "http://127.0.0.1:7000"
+    fs = loc.filesystem
+    assert isinstance(fs, pafs.S3FileSystem)
+    options = fs.__reduce__()[1][0]  # pyarrow's own record of how it was built
+    assert (options["endpoint_override"], options["scheme"]) == ("127.0.0.1:7000", "http")
+
+
+def test_hdfs_views_without_connecting():
+    loc = resolve("hdfs://nn.example:8020/user/a/")
+    assert (loc.scheme, loc.path, loc.authority, loc.uri) == (
+        "hdfs",
+        "/user/a",
+        "nn.example:8020",
+        "hdfs://nn.example:8020/user/a",
+    )
+    assert loc.spark_uri == loc.uri
+    assert resolve("hdfs:///user/a").uri == "hdfs:///user/a"
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("gs://b/k", "unknown scheme 'gs'"),
+        ("s3:bucket/key", "s3://bucket/key"),
+        ("file:relative/x", "file:///absolute/path"),
+        ("s3:///key", "no bucket"),
+        ("file://host/x", "no host"),
+        ("s3://b/a/../c", "'..'"),
+        ("file:///a/../../etc", "'..'"),
+        ("hdfs://nn:8020", "names no path"),
+        ("s3://b/k?x=1", "query"),
+    ],
+)
+def test_bad_uris_name_the_problem(bad, needle):
+    with pytest.raises(RaytrainError) as info:
+        resolve(bad)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("part", ["..", "a/../b", "", "/abs", ".", "a//b"])
+def test_join_refuses_escapes(tmp_path, part):
+    with pytest.raises(RaytrainError, match="join"):
+        resolve(str(tmp_path)).join(part)
+
+
+def test_join_and_run_root(tmp_path):
+    root = resolve(str(tmp_path))
+    rr = run_root(root, "alice", "proj", "run-01")
+    assert rr.path == str(tmp_path / "alice" / "proj" / "run-01")
+    assert rr.join("checkpoints/step_1").path == str(tmp_path / "alice/proj/run-01/checkpoints/step_1")
+    assert rr.parent.name == "proj"
+    s3 = run_root(resolve("s3://b", s3_endpoint="http://127.0.0.1:1"), "alice", "proj", "r")
+    assert s3.uri == "s3://b/alice/proj/r"
+    assert set(RUN_SUBDIRS) == {"data", "checkpoints", "reports", "exports"}
+
+
+@pytest.mark.parametrize(
+    "field, args", [("user", ("a b", "p", "r")), ("project", ("u", "p/q", "r")), ("run", ("u", "p", ".."))]
+)
+def test_run_root_names_bad_field(tmp_path, field, args):
+    with pytest.raises(RaytrainError, match=f"^{field}="):
+        run_root(resolve(str(tmp_path)), *args)
+
+
+def test_default_user_precedence(monkeypatch):
+    monkeypatch.setenv("RAYTRAIN_USER", "ray-user")
+    monkeypatch.setenv("USER", "unix")
+    assert default_user("cfg.user") == "cfg.user"
+    assert default_user() == "ray-user"
+    monkeypatch.delenv("RAYTRAIN_USER")
+    assert default_user() == "unix"
+    monkeypatch.delenv("USER")
+    monkeypatch.setenv("LOGNAME", "login")
+    assert default_user() == "login"
+    monkeypatch.setenv("RAYTRAIN_USER", "bad/name")
+    with pytest.raises(RaytrainError, match="RAYTRAIN_USER"):
+        default_user()
+
+
+def test_io_helpers_against_os(tmp_path):
+    loc = resolve(str(tmp_path)).join("a")
+    assert not loc.exists() and loc.listdir() == [] and loc.list_files() == {}
+    with loc.join("x/y.bin").open_output() as f:
+        f.write(b"\x00\x01")
+    with loc.join("t.txt").open_output(text=True) as f:
+        f.write("héllo")
+    assert loc.is_dir() and loc.join("t.txt").is_file()
+    assert loc.listdir() == sorted(os.listdir(tmp_path / "a"))
+    assert loc.list_files() == {"x/y.bin": 2, "t.txt": os.path.getsize(tmp_path / "a" / "t.txt")}
+    with loc.join("t.txt").open_input(text=True) as f:
+        assert f.read() == (tmp_path / "a" / "t.txt").read_text(encoding="utf-8")
+    loc.join("p").write_atomic("v1")
+    loc.join("p").write_atomic(b"v2")
+    assert (tmp_path / "a" / "p").read_bytes() == b"v2"
+    assert not [n for n in os.listdir(tmp_path / "a") if ".tmp-" in n]  # no temp files left behind
+    loc.delete_dir()
+    assert not (tmp_path / "a").exists()
+
+
+def test_write_atomic_readers_never_see_torn_content(tmp_path):
+    loc = resolve(str(tmp_path)).join("latest")
+    payloads = [bytes([i]) * 200_000 for i in range(1, 6)]
+    loc.write_atomic(payloads[0])
+    seen, stop = set(), threading.Event()
+
+    def read_loop():
+        while not stop.is_set():
+            seen.add((tmp_path / "latest").read_bytes())
+
+    reader = threading.Thread(target=read_loop)
+    reader.start()
+    for _ in range(20):
+        for p in payloads:
+            loc.write_atomic(p)
+    stop.set()
+    reader.join()
+    assert seen <= set(payloads) and seen

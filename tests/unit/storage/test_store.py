@@ -1,0 +1,247 @@
+"""CheckpointStore on a real POSIX directory, including a writer SIGKILLed mid-save."""
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from raytrain.checkpoint.store import CheckpointStore
+from raytrain.errors import RaytrainError
+from raytrain.storage import resolve, run_root
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+@pytest.fixture
+def run(tmp_path):
+    return run_root(resolve(str(tmp_path / "root")), "alice", "proj", "run1")
+
+
+def _write_rank_files(directory, step, ranks=2):
+    """What each pipeline rank's DeepSpeed save leaves: its own files, distinct names. Returns {relpath: bytes}."""
+    written = {}
+    for rank in range(ranks):
+        for rel, data in (
+            (f"global_step{step}/layer_{rank:02d}-model_states.pt", os.urandom(1000 + 37 * rank + step)),
+            (f"global_step{step}/mp_rank_{rank:02d}_model_states.pt", f"rank {rank} step {step}".encode()),
+        ):
+            path = os.path.join(directory, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+            written[rel] = data
+    return written
+
+
+def _save(store, step, metrics=None, **commit_kwargs):
+    written = _write_rank_files(store.staging_dir(step), step)
+    store.upload(step, store.staging_dir(step))  # a no-op on POSIX; the protocol is the same everywhere
+    meta = {"data_position": {"epoch": 0, "rows": step * 8}, "metrics": metrics or {}}
+    uri = store.commit(step, meta, **commit_kwargs)
+    return uri, written
+
+
+def test_commit_layout_manifest_and_latest(run):
+    store = CheckpointStore(run)
+    staging = store.staging_dir(10)
+    assert staging == os.path.join(run.path, "checkpoints", "step_00000010.partial")
+    assert store.latest() is None
+    uri, written = _save(store, 10, {"loss": 1.5})
+    final = os.path.join(run.path, "checkpoints", "step_00000010")
+    assert uri == resolve(final).uri and not os.path.exists(staging)
+    assert open(os.path.join(run.path, "checkpoints", "latest")).read().strip() == "step_00000010"
+    manifest = json.load(open(os.path.join(final, "manifest.json")))
+    # Reference: sizes and digests computed here with hashlib on the bytes each "rank" wrote.
+    assert manifest["files"] == {
+        rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in written.items()
+    }
+    assert manifest["step"] == 10 and manifest["metadata"]["data_position"] == {"epoch": 0, "rows": 80}
+    ckpt = store.latest()
+    assert (ckpt.step, ckpt.local_path, ckpt.metadata["metrics"]) == (10, final, {"loss": 1.5})
+    assert store.verify(ckpt) is ckpt
+    out = store.download(ckpt, os.path.join(run.path, "..", "dl"))
+    for rel, data in written.items():
+        assert open(os.path.join(out, rel), "rb").read() == data
+
+
+def test_commit_with_nothing_staged_is_an_error(run):
+    store = CheckpointStore(run)
+    store.staging_dir(5)
+    with pytest.raises(RaytrainError, match="nothing staged"):
+        store.commit(5, {})
+    with pytest.raises(RaytrainError, match="JSON"):
+        _write_rank_files(store.staging_dir(5), 5)
+        store.commit(5, {"bad": object()})
+
+
+def test_latest_moves_and_old_partial_is_ignored(run):
+    store = CheckpointStore(run, keep_last=None)
+    _save(store, 10)
+    _write_rank_files(store.staging_dir(20), 20)  # ranks wrote, nobody committed (crash before the barrier)
+    assert store.latest().step == 10
+    _save(store, 30)
+    assert store.latest().step == 30
+    assert [c.step for c in store.committed()] == [10, 30]
+    removed = store.cleanup_partials()
+    assert removed == [resolve(os.path.join(run.path, "checkpoints", "step_00000020.partial")).uri]
+    assert sorted(os.listdir(os.path.join(run.path, "checkpoints"))) == ["latest", "step_00000010", "step_00000030"]
+
+
+def test_missing_or_broken_latest_pointer_falls_back_to_scan(run, caplog):
+    store = CheckpointStore(run, keep_last=None)
+    _save(store, 10)
+    _save(store, 20)
+    pointer = os.path.join(run.path, "checkpoints", "latest")
+    os.unlink(pointer)
+    assert store.latest().step == 20
+    with open(pointer, "w") as f:
+        f.write("step_00000099\n")  # names a dir that is not there
+    with caplog.at_level(logging.WARNING):
+        assert store.latest().step == 20
+    assert "step_00000099" in caplog.text
+
+
+def test_resume_from_earlier_step_follows_pointer_not_highest_step(run):
+    store = CheckpointStore(run, keep_last=None)
+    for step in (10, 20, 30):
+        _save(store, step)
+    resumed = CheckpointStore(run, keep_last=2, protect=[20])  # resumed from 20; 30 is an abandoned timeline
+    _save(resumed, 25)
+    assert resumed.latest().step == 25
+    assert [c.step for c in resumed.committed()] == [20, 25, 30]  # 10 aged out; 20 protected; 30 among last 2
+    os.unlink(os.path.join(run.path, "checkpoints", "step_00000025", "manifest.json"))
+    assert resumed.latest().step == 20  # broken pointer target: newest at or below it, not the abandoned 30
+
+
+def test_corrupt_file_is_named_or_falls_back(run, caplog):
+    _save(CheckpointStore(run, keep_last=None), 10)
+    _, written = _save(CheckpointStore(run, keep_last=None), 20)
+    rel = sorted(written)[0]
+    path = os.path.join(run.path, "checkpoints", "step_00000020", rel)
+    data = bytearray(open(path, "rb").read())
+    data[7] ^= 0xFF  # same size, different bytes: only the sha256 can tell
+    open(path, "wb").write(bytes(data))
+    strict = CheckpointStore(run, keep_last=None)
+    with pytest.raises(RaytrainError, match=rel) as info:
+        strict.verify(strict.latest())
+    assert "sha256" in str(info.value) and "step_00000020" in str(info.value)
+    lenient = CheckpointStore(run, keep_last=None, on_corrupt="fallback")
+    with caplog.at_level(logging.WARNING):
+        good = lenient.verify(lenient.latest())
+    assert good.step == 10 and "falling back from step 20 to step 10" in caplog.text
+    os.truncate(os.path.join(run.path, "checkpoints", "step_00000010", sorted(written)[1].replace("20", "10")), 3)
+    with pytest.raises(RaytrainError, match="no earlier checkpoint is intact"):
+        lenient.verify(lenient.latest())
+
+
+def test_missing_file_and_bad_manifest(run):
+    _, written = _save(CheckpointStore(run), 10)
+    victim = sorted(written)[-1]
+    os.unlink(os.path.join(run.path, "checkpoints", "step_00000010", victim))
+    store = CheckpointStore(run)
+    with pytest.raises(RaytrainError, match=f"{victim!r} is missing"):
+        store.verify(store.latest())
+    with open(os.path.join(run.path, "checkpoints", "step_00000010", "manifest.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(RaytrainError, match="manifest.json is unreadable"):
+        store.latest()
+    assert CheckpointStore(run, on_corrupt="fallback").latest() is None
+
+
+def test_retention_keeps_last_k_best_and_protected(run):
+    store = CheckpointStore(run, keep_last=2, keep_best="val_loss", mode="min", protect=[10])
+    losses = {10: 5.0, 20: 1.0, 30: 3.0, 40: 4.0, 50: 2.5, 60: 6.0}
+    for step, loss in losses.items():
+        _save(store, step, {"val_loss": loss})
+    kept = sorted(c.step for c in store.committed())
+    # last 2 (50, 60) + best val_loss (20) + protected resume point (10)
+    assert kept == [10, 20, 50, 60]
+    assert sorted(os.listdir(os.path.join(run.path, "checkpoints"))) == [
+        "latest",
+        "step_00000010",
+        "step_00000020",
+        "step_00000050",
+        "step_00000060",
+    ]
+    maxed = CheckpointStore(run, keep_last=1, keep_best="val_loss", mode="max")
+    _save(maxed, 70, {"val_loss": 0.1})
+    assert sorted(c.step for c in maxed.committed()) == [60, 70]  # 60 has the max; 10 is no longer protected here
+
+
+def test_rerun_of_a_committed_step_replaces_it_whole(run):
+    store = CheckpointStore(run, keep_last=None)
+    _save(store, 10)
+    old_files = set(store.latest().manifest["files"])
+    staging = store.staging_dir(10)
+    with open(os.path.join(staging, "only_new.bin"), "wb") as f:
+        f.write(b"new")
+    store.commit(10, {})
+    assert set(store.latest().manifest["files"]) == {"only_new.bin"} != old_files
+    assert sorted(os.listdir(os.path.join(run.path, "checkpoints", "step_00000010"))) == [
+        "manifest.json",
+        "only_new.bin",
+    ]
+    store.verify(store.latest())
+
+
+KILLED_WRITER = """
+import os, sys, time
+from raytrain.checkpoint.store import CheckpointStore
+from raytrain.storage import resolve
+store = CheckpointStore(resolve(sys.argv[1]))
+phase = sys.argv[2]
+d = store.staging_dir(20)
+with open(os.path.join(d, "big.bin"), "wb") as f:
+    f.write(b"x" * 4096)
+    f.flush()
+    if phase == "payload":
+        print("writing", flush=True)
+        time.sleep(600)
+if phase == "commit":
+    # Stop inside commit: manifest written into the partial, not yet renamed into place.
+    def hang(step):
+        print("writing", flush=True)
+        time.sleep(600)
+    store._publish_by_rename = hang
+    store.commit(20, {"metrics": {}})
+"""
+
+
+@pytest.mark.parametrize("phase", ["payload", "commit"])
+def test_sigkill_mid_save_keeps_previous_checkpoint(run, phase):
+    store = CheckpointStore(run)
+    _, written = _save(store, 10)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, run.uri, phase],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = os.path.join(run.path, "checkpoints", "step_00000020.partial")
+    assert os.path.isdir(partial)
+    assert os.path.exists(os.path.join(partial, "manifest.json")) == (phase == "commit")
+    fresh = CheckpointStore(run)
+    ckpt = fresh.latest()
+    assert ckpt.step == 10 and fresh.verify(ckpt) is ckpt
+    for rel, data in written.items():
+        assert open(os.path.join(ckpt.local_path, rel), "rb").read() == data
+    assert fresh.cleanup_partials() == [resolve(partial).uri] and not os.path.exists(partial)
+    _save(fresh, 20)  # the run continues normally
+    assert fresh.latest().step == 20
+
+
+def test_settings_validated(run):
+    with pytest.raises(RaytrainError, match="on_corrupt="):
+        CheckpointStore(run, on_corrupt="ignore")
+    with pytest.raises(RaytrainError, match="keep_last="):
+        CheckpointStore(run, keep_last=0)
+    with pytest.raises(RaytrainError, match="mode="):
+        CheckpointStore(run, mode="best")

@@ -1,0 +1,50 @@
+"""House rules that a test can check: lint clean, and each heavy framework imported from one stage only."""
+
+import ast
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# framework -> the package paths allowed to import it (STYLE.md point 3)
+ALLOWED = {
+    "raydp": ("raytrain/enrich/",),
+    "pyspark": ("raytrain/enrich/",),
+    "deepspeed": ("raytrain/pipeline/",),
+    "ray.train": ("raytrain/trainer/",),
+}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_heavy_frameworks_are_imported_from_one_stage_only():
+    offenders = []
+    for path in sorted((ROOT / "raytrain").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for name in _imports(path):
+            for framework, allowed in ALLOWED.items():
+                if (name == framework or name.startswith(framework + ".")) and not rel.startswith(allowed):
+                    offenders.append(f"{rel} imports {name}")
+    assert offenders == []
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).parent / "ruff")
+    if not pathlib.Path(ruff).exists():
+        pytest.skip("ruff not installed (pip install -e '.[test]' brings it)")
+    out = subprocess.run([ruff, "check", "raytrain", "jobs", "tests", "benchmarks"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
