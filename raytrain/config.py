@@ -153,6 +153,9 @@ class TrainConfig:
     """Micro-batches per optimizer step per replica (the pipeline's m)."""
     max_steps: int = 10
     """Optimizer steps to reach; a resumed run continues up to this step."""
+    stop_at_step: int = 0
+    """End this launch after this step (0 = max_steps) with a checkpoint; the LR schedule still spans max_steps,
+    so a later launch resumes exactly as if never stopped (time-sliced or preemptible allocations)."""
     lr: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 2
@@ -169,6 +172,11 @@ class TrainConfig:
     """Save a checkpoint every N optimizer steps (and at the last step)."""
     keep_last: int = 3
     """Checkpoints to keep (the newest K; the one resumed from is never deleted)."""
+    keep_best: str = ""
+    """Also keep the checkpoint with the lowest value of this metric (e.g. 'loss'); empty = none."""
+    on_corrupt_checkpoint: str = "error"
+    """A checkpoint whose files fail the manifest check: 'error' (stop, naming the file) or 'fallback' (resume
+    from the newest older good one)."""
     ds_config: str = "configs/ds_config.json"
     """DeepSpeed settings; batch sizes in it must agree with this section (or be absent)."""
     partition_method: str = "type:DecoderLayerPipe"
@@ -183,6 +191,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "micro_batch_size", "grad_accum_steps", "max_steps", "checkpoint_every", "keep_last"):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _require(0 <= self.stop_at_step <= self.max_steps, "train.stop_at_step",
+                 "must be in [0, train.max_steps] (0 = run to max_steps)")
+        _require(self.on_corrupt_checkpoint in ("error", "fallback"), "train.on_corrupt_checkpoint",
+                 f"{self.on_corrupt_checkpoint!r}: use 'error' or 'fallback'")
         _require(self.lr > 0, "train.lr", "must be > 0")
         _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")

@@ -12,6 +12,7 @@ from ray.data import ExecutionOptions
 from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.storage import StorageLocation
@@ -88,6 +89,9 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
         # and takes its data-parallel share itself (raytrain.trainer.schedule).
         dataset_config=DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)),
     )
-    result = trainer.fit()
-    return TrainResult(final_metrics=dict(result.metrics or {}),
+    trainer.fit()
+    # Ray attaches metrics to reported checkpoints only; ours are committed by the store, whose manifest records
+    # the metrics of the step it saved (the last step is always saved).
+    latest = CheckpointStore(run_root).latest()
+    return TrainResult(final_metrics=dict(latest.metadata.get("metrics", {})) if latest else {},
                        checkpoint_dir=run_root.join("checkpoints").uri)

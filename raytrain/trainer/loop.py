@@ -5,6 +5,7 @@ setup (process group, stage engine, resume) -> train (steps, metrics, checkpoint
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import tempfile
 import time
 from typing import Any
 
+import ray.data
 import ray.train
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from raytrain.config import JobConfig, load_job_config
 from raytrain.pipeline.flops import flops_per_token, pipeline_bubble_fraction
 from raytrain.pipeline.model import MistralConfig
 from raytrain.storage import resolve
+from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches
 from raytrain.trainer.schedule import Topology, data_position
 
@@ -52,24 +55,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     assert (stage.stage, stage.dp_rank) == (topo.stage, topo.dp_rank), "DeepSpeed topology disagrees with ours"
 
     run_root = resolve(loop_config["run_uri"], s3_endpoint=job.storage.s3_endpoint or None)
-    store = CheckpointStore(run_root, keep_last=tc.keep_last)
-    step = 0
-    latest = store.latest()
-    if latest is not None:
-        latest = store.verify(latest)  # sizes + sha256 from the manifest; a corrupt file is named, not loaded
-        local = latest.local_path or store.download(latest, tempfile.mkdtemp(prefix="raytrain-resume-"))
-        client_state = stage.load(local)
-        step = int(client_state["step"])
-        if client_state["data_position"] != data_position(step, tc.dp, tc.grad_accum_steps):
-            raise RuntimeError(f"checkpoint {latest.step} records data position {client_state['data_position']}, "
-                               "which does not match its step; the batch layout changed since it was written")
-        if topo.world_rank == 0:
-            print(f"[raytrain] resumed from checkpoint step {step} ({latest.uri})", flush=True)
+    store = CheckpointStore(run_root, keep_last=tc.keep_last, keep_best=tc.keep_best or None,
+                            on_corrupt=tc.on_corrupt_checkpoint)
+    step = _resume(stage, store, topo, tc)
 
     # ---- data: first and last stages read the packed dataset in a fixed order, sharded by dp rank -------------
     trace = FeedTrace()
     data_iter = None
     if topo.needs_data:
+        # One bar per reading worker per epoch would flood the driver's console; the driver shows the packing bars.
+        ray.data.DataContext.get_current().enable_progress_bars = False
         shard = ray.train.get_dataset_shard("train")
         mbs = tc.micro_batch_size
 
@@ -88,7 +83,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     bubble = pipeline_bubble_fraction(tc.grad_accum_steps, tc.pp)
     metrics_path = os.path.join(loop_config["local_reports_dir"], "metrics.jsonl") \
         if loop_config.get("local_reports_dir") else None
-    while step < tc.max_steps:
+    end_step = tc.stop_at_step or tc.max_steps
+    while step < end_step:
         t0 = time.perf_counter()
         consumed_before = len(trace.consumed)
         loss = stage.train_batch(data_iter)
@@ -102,6 +98,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "mfu": (tokens_per_s * flops_tok / (tc.peak_tflops * 1e12 * tc.num_workers)) if tc.peak_tflops else None,
             "data_position": data_position(step, tc.dp, tc.grad_accum_steps),
         }
+        record_train_step(job.storage.run_name, topo.stage, topo.dp_rank, metrics)
         if topo.world_rank == 0:
             print(f"[raytrain] step {step}/{tc.max_steps} loss {loss:.4f} lr {metrics['lr']:.2e} "
                   f"{tokens_per_s:,.0f} tok/s {step_time_s:.2f}s", flush=True)
@@ -114,11 +111,50 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 f.write(json.dumps({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank,
                                     "consumed": trace.consumed[consumed_before:]}) + "\n")
 
-        if step % tc.checkpoint_every == 0 or step == tc.max_steps:
+        if step % tc.checkpoint_every == 0 or step == end_step:
             _save_checkpoint(store, stage, step, job, loop_config, metrics)
             if topo.world_rank == 0:
                 print(f"[raytrain] checkpoint step {step} -> {run_root.join('checkpoints').uri}", flush=True)
         ray.train.report({k: v for k, v in metrics.items() if v is not None})
+
+    if loop_config.get("local_reports_dir"):
+        # Parameter digests per rank: data-parallel replicas of one stage must hold identical weights.
+        digests = {name: hashlib.sha256(p.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+                   for name, p in stage.engine.module.named_parameters()}
+        with open(os.path.join(loop_config["local_reports_dir"], f"param_digest_rank{topo.world_rank}.json"), "w",
+                  encoding="utf-8") as f:
+            json.dump({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank, "digests": digests}, f)
+
+
+def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> int:
+    """Load the newest good checkpoint into this stage; returns its step (0 when starting fresh).
+
+    Rank 0 alone cleans partial saves and verifies sizes + sha256 against the manifest (falling back to an older
+    checkpoint when configured), then tells every rank which step to load, so all stages load the same one.
+    """
+    chosen: list[int | None] = [None]
+    if dist.get_rank() == 0:
+        removed = store.cleanup_partials()  # leftovers of a save that crashed before its commit
+        if removed:
+            print(f"[raytrain] removed {len(removed)} partial checkpoint(s): {removed}", flush=True)
+        latest = store.latest()
+        chosen[0] = store.verify(latest).step if latest is not None else None
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        return 0
+    ckpt = store.get(chosen[0])
+    if ckpt is None:
+        raise RuntimeError(f"checkpoint step {chosen[0]} vanished between verify and load")
+    local = ckpt.local_path or store.download(ckpt, tempfile.mkdtemp(prefix="raytrain-resume-"))
+    client_state = stage.load(local)
+    step = int(client_state["step"])
+    if client_state["data_position"] != data_position(step, tc.dp, tc.grad_accum_steps):
+        raise RuntimeError(f"checkpoint {ckpt.uri} records data position {client_state['data_position']}, which "
+                           "does not match its step under this batch layout (train.dp / grad_accum_steps changed?)")
+    store.protect(step)  # retention never deletes the checkpoint a run resumed from
+    if topo.world_rank == 0:
+        print(f"[raytrain] resumed from checkpoint step {step} ({ckpt.uri})", flush=True)
+    return step
 
 
 def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConfig,
