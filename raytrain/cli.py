@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-failures", type=int, default=0, help="worker failures Ray Train recovers from")
     p = sub.add_parser("enrich", help="enrichment on Spark-on-Ray + tokenize/pack only")
     _add_config_args(p)
-    p = sub.add_parser("train", help="train on the run's packed data (runs enrich first if it is missing)")
+    p = sub.add_parser("train", help="train on the packed data an earlier `raytrain enrich` of the run wrote")
     _add_config_args(p)
     p.add_argument("--max-failures", type=int, default=0, help="worker failures Ray Train recovers from")
     p = sub.add_parser("export", help="export a run's latest checkpoint to a Hugging Face directory")
@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                                            job.config_hash(), overrides)
         t0 = time.perf_counter()
         if args.command in ("run", "train"):
-            from raytrain.runner import run_sft
+            from raytrain.runner import run_sft, run_train
 
-            summary = run_sft(job, max_failures=args.max_failures)
+            summary = (run_sft if args.command == "run" else run_train)(job, max_failures=args.max_failures)
             final = summary["final"]
             print(f"\nraytrain: trained to step {final.get('step')} (loss {final.get('loss', float('nan')):.4f}) "
                   f"in {time.perf_counter() - t0:.0f}s")

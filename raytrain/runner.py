@@ -106,45 +106,95 @@ def write_report(run: Run, name: str, report: dict[str, Any]) -> StorageLocation
 
 def run_enrich_and_pack(run: Run):
     """Enrich + tokenize/pack unless this run already holds packed sequences for the same settings."""
-    from raytrain.dataset.stream import _read_manifest, tokenize_and_pack
+    from raytrain.dataset.stream import load_packed, tokenize_and_pack
     from raytrain.enrich.job import run_enrich
 
     packed_loc = run.root.join("data", "packed")
-    manifest = _read_manifest(packed_loc)
-    if manifest is None or manifest.get("data_hash") != run.data_hash:
-        input_root = stage_input(run)
-        result = run_enrich(run.job, input_root, run.root)
-        write_report(run, "enrich_report.json", result.report)
-        enriched = result.enriched
-    else:
-        enriched = run.root.join("data", "enriched")
-    return tokenize_and_pack(enriched, packed_loc, run.job.dataset, run.data_hash)
+    packed = load_packed(packed_loc, run.data_hash)
+    if packed is not None:
+        return packed
+    input_root = stage_input(run)
+    result = run_enrich(run.job, input_root, run.root, eval_sets=eval_set_paths(run, input_root))
+    write_report(run, "enrich_report.json", result.report)
+    return tokenize_and_pack(result.enriched, packed_loc, run.job.dataset, run.data_hash)
 
 
-def run_sft(job: JobConfig, max_failures: int = 0) -> dict[str, Any]:
-    """The whole chain for one run; returns a summary (also written to reports/run_summary.json)."""
-    from raytrain.dataset.stream import training_dataset
+def _with_run(job: JobConfig, body):
+    """Open the run, join or start Ray, hold the run lock while `body(run)` runs, shut an embedded Ray down."""
     from raytrain.runlock import RunLock
-    from raytrain.trainer.launch import train
 
-    _check_model_fits_tokenizer(job)
     run = open_run(job)
+    preflight(run)
     started_ray = connect_ray(job)
     try:
         run.root.mkdirs()
         with RunLock(run.root):
             log.info("run %s", run.root.uri)
-            packed = run_enrich_and_pack(run)
-            result = train(job, run.root, training_dataset(packed), packed.num_packs, max_failures=max_failures)
-            summary = {"run": run.root.uri, "checkpoints": result.checkpoint_dir, "final": result.final_metrics,
-                       "num_packs": packed.num_packs, "config_hash": job.config_hash()}
-            write_report(run, "run_summary.json", summary)
-            return summary
+            return body(run)
     finally:
         if started_ray:
             import ray
 
             ray.shutdown()
+
+
+def _train(run: Run, packed, max_failures: int) -> dict[str, Any]:
+    from raytrain.dataset.stream import training_dataset
+    from raytrain.trainer.launch import train
+
+    result = train(run.job, run.root, training_dataset(packed), packed.num_packs, max_failures=max_failures)
+    summary = {"run": run.root.uri, "checkpoints": result.checkpoint_dir, "final": result.final_metrics,
+               "num_packs": packed.num_packs, "config_hash": run.job.config_hash()}
+    write_report(run, "run_summary.json", summary)
+    return summary
+
+
+def run_sft(job: JobConfig, max_failures: int = 0) -> dict[str, Any]:
+    """The whole chain for one run; returns a summary (also written to reports/run_summary.json)."""
+    return _with_run(job, lambda run: _train(run, run_enrich_and_pack(run), max_failures))
+
+
+def run_train(job: JobConfig, max_failures: int = 0) -> dict[str, Any]:
+    """Training only, on the packed sequences an earlier enrich of this run wrote."""
+    from raytrain.dataset.stream import load_packed
+
+    def body(run: Run) -> dict[str, Any]:
+        packed = load_packed(run.root.join("data", "packed"), run.data_hash)
+        if packed is None:
+            raise RaytrainError(f"run {run.root.uri} has no packed data yet: run `raytrain enrich` "
+                                "(or jobs/enrich.py) with the same config first, or `raytrain run` for both")
+        return _train(run, packed, max_failures)
+
+    return _with_run(job, body)
+
+
+def run_enrich_only(job: JobConfig):
+    """`raytrain enrich`: enrichment + tokenize/pack for a run, no training."""
+    return _with_run(job, run_enrich_and_pack)
+
+
+def preflight(run: Run) -> None:
+    """Cheap checks before any cluster work, so a bad setting fails in seconds with a clear message."""
+    from raytrain.enrich.spark import find_java
+    from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
+    from raytrain.pipeline.model import MistralConfig
+
+    job = run.job
+    derive_ds_config(load_ds_config(job.train.ds_config), job.train, ds_path=job.train.ds_config)
+    preset = MistralConfig.preset(job.model.preset)
+    if job.train.pp > preset.num_hidden_layers + 3:
+        raise RaytrainError(f"train.pp={job.train.pp} stages for a model of {preset.num_hidden_layers + 3} "
+                            "pipeline layers; lower train.pp")
+    _check_model_fits_tokenizer(job)
+    if job.data.input_path != "sample":
+        loc = resolve(job.data.input_path, s3_endpoint=job.storage.s3_endpoint or None)
+        if not loc.exists():
+            raise RaytrainError(f"data.input_path: {loc.uri} does not exist. Point it at Nemotron-shaped Parquet "
+                                "(one folder per split) or use data.input_path=sample")
+    from raytrain.dataset.stream import load_packed
+
+    if load_packed(run.root.join("data", "packed"), run.data_hash) is None:
+        find_java()  # Spark will run: fail now, not inside RayDP, when there is no Java
 
 
 def _check_model_fits_tokenizer(job: JobConfig) -> None:
@@ -156,22 +206,6 @@ def _check_model_fits_tokenizer(job: JobConfig) -> None:
         raise RaytrainError(f"model.preset={job.model.preset!r} has vocab {model_vocab} < {vocab} tokens of "
                             f"dataset.tokenizer={job.dataset.tokenizer!r}; pick a matching tokenizer or preset")
 
-
-def run_enrich_only(job: JobConfig):
-    """`raytrain enrich`: enrichment + tokenize/pack for a run, no training."""
-    from raytrain.runlock import RunLock
-
-    run = open_run(job)
-    started_ray = connect_ray(job)
-    try:
-        run.root.mkdirs()
-        with RunLock(run.root):
-            return run_enrich_and_pack(run)
-    finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
 
 
 def export_latest(job: JobConfig, out_dir: str = "") -> str:

@@ -37,24 +37,28 @@ def _parquet_files(loc: StorageLocation) -> list[str]:
     return sorted(loc.join(n).path for n in loc.listdir() if n.endswith(".parquet"))
 
 
-def _read_manifest(packed: StorageLocation) -> dict | None:
-    manifest = packed.join(MANIFEST)
-    return json.loads(manifest.read_text()) if manifest.exists() else None
+def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
+    """The run's packed sequences when a committed manifest exists (None otherwise); packed from other settings
+    is an error: a run's data cannot change under its checkpoints."""
+    manifest_loc = packed.join(MANIFEST)
+    if not manifest_loc.exists():
+        return None
+    existing = json.loads(manifest_loc.read_text())
+    if existing["data_hash"] != data_hash:
+        raise RaytrainError(
+            f"{packed.uri} holds sequences packed with other data/enrich/dataset settings (hash "
+            f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
+            "Use a new storage.run_name, or the settings the run was started with.")
+    log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
+    return PackedData(packed, tuple(packed.join(n).path for n in existing["files"]), existing["num_packs"],
+                      existing["num_real_tokens"])
 
 
 def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: DatasetConfig,
                       data_hash: str) -> PackedData:
-    """Tokenize + pack with Ray Data (reusing the output when this run already packed the same data)."""
-    existing = _read_manifest(packed)
-    if existing is not None:
-        if existing["data_hash"] != data_hash:
-            raise RaytrainError(
-                f"{packed.uri} holds sequences packed from other data/dataset settings (hash "
-                f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
-                "Use a new storage.run_name.")
-        log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
-        return PackedData(packed, tuple(_parquet_files(packed)), existing["num_packs"], existing["num_real_tokens"])
-
+    """Tokenize + pack the enriched conversations with Ray Data and write them, manifest last, under `packed`."""
+    if packed.exists():
+        packed.delete_dir()  # a partial output from an interrupted run (no manifest): start clean
     t0 = time.perf_counter()
     files = _parquet_files(enriched)
     if not files:
