@@ -19,6 +19,8 @@ EPILOG = """examples:
   raytrain run                                   # the embedded demo: local Ray, sample data, tiny Mistral
   raytrain run configs/demo.yaml train.max_steps=20 storage.run_name=exp1
   raytrain status --root ./runs
+
+exit codes: 0 ok, 1 the job failed (or a path/input problem), 2 bad usage or config
 """
 
 
@@ -64,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
+        parser.print_usage(sys.stderr)
+        print("raytrain: error: a COMMAND is required (run, enrich, train, export, status); see raytrain --help",
+              file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -109,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("raytrain: interrupted", file=sys.stderr)
+        return 1
+    except Exception as e:
+        # Not a usage error: the job itself failed (a worker error, a lost node). Keep the traceback for the
+        # post-mortem, end with one line that says what failed.
+        logging.getLogger("raytrain").exception("raytrain %s failed", args.command)
+        print(f"raytrain: {args.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
 

@@ -185,6 +185,13 @@ class TrainConfig:
     """Recompute activations every N layers in backward (0 = off)."""
     use_gpu: bool = False
     """One GPU per worker (NCCL) instead of CPU workers (gloo)."""
+    worker_cpus: float = 0.0
+    """Ray CPUs per trainer worker (0 = Ray Train's default of 1)."""
+    worker_resource: str = ""
+    """A custom Ray resource each worker needs one unit of (e.g. 'raytrain_train' to pin workers to the GPU
+    node type of cluster/aws-gpu.yaml); empty = none."""
+    placement_strategy: str = "PACK"
+    """Ray placement of the workers' bundles: PACK (fill nodes, keeps a pipeline's stages close) or SPREAD."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s per worker for the MFU estimate (0 = not reported: CPUs have no meaningful peak here)."""
 
@@ -193,6 +200,10 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(0 <= self.stop_at_step <= self.max_steps, "train.stop_at_step",
                  "must be in [0, train.max_steps] (0 = run to max_steps)")
+        _require(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+                 "train.placement_strategy", f"{self.placement_strategy!r}: use PACK, SPREAD, STRICT_PACK or "
+                 "STRICT_SPREAD")
+        _require(self.worker_cpus >= 0, "train.worker_cpus", "must be >= 0")
         _require(self.on_corrupt_checkpoint in ("error", "fallback"), "train.on_corrupt_checkpoint",
                  f"{self.on_corrupt_checkpoint!r}: use 'error' or 'fallback'")
         _require(self.lr > 0, "train.lr", "must be > 0")
@@ -204,6 +215,17 @@ class TrainConfig:
             "train.partition_method",
             f"{self.partition_method!r}: use 'type:DecoderLayerPipe', 'parameters' or 'uniform'",
         )
+
+    def worker_resources(self) -> dict[str, float]:
+        """ScalingConfig.resources_per_worker from worker_cpus / worker_resource ({} = Ray Train's default)."""
+        out: dict[str, float] = {}
+        if self.worker_cpus:
+            out["CPU"] = self.worker_cpus
+        if self.worker_resource:
+            out[self.worker_resource] = 1.0
+        if out and self.use_gpu:
+            out["GPU"] = 1.0
+        return out
 
     @property
     def num_workers(self) -> int:

@@ -53,7 +53,11 @@ def connect_ray(job: JobConfig) -> bool:
     if ray.is_initialized():
         return False
     address = job.ray.address or os.environ.get("RAY_ADDRESS", "")
-    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    # Inside `ray job submit` the job's own runtime_env is merged with ours, and Ray refuses a merge where both set
+    # the same env var: add only the variables the job did not set.
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
+    job_env = (job_config.get("runtime_env") or {}).get("env_vars") or {}
+    runtime_env = {"env_vars": {k: v for k, v in WORKER_ENV.items() if k not in job_env}}
     if address:
         log.info("joining Ray cluster at %s", address)
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)

@@ -2,24 +2,47 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation, resolve
+
+COLUMNS = ("user", "project", "run", "latest step", "checkpoints", "loss", "saved at", "running (host:pid)")
 
 
 @dataclass(frozen=True)
 class RunRow:
+    """One run folder `<root>/<user>/<project>/<run>/` as `raytrain status` shows it."""
+
     user: str
+    """Namespace folder under the storage root."""
     project: str
+    """Project folder under the user."""
     run: str
+    """Run folder (storage.run_name)."""
     latest_step: int | None
+    """Step of the newest committed checkpoint; None when the run has none yet."""
     num_checkpoints: int
+    """Committed checkpoints kept (retention removes older ones)."""
+    latest_loss: float | None
+    """Training loss recorded in the newest checkpoint's manifest (metadata.metrics.loss), when present."""
+    saved_at: str
+    """When the newest checkpoint was committed (the manifest's created_at, ISO 8601), '' when none."""
     locked_by: str
+    """'host:pid' of the job holding the run's lock, '' when no job holds it."""
     uri: str
+    """The run folder's URI."""
+
+
+def _loss(metadata: dict) -> float | None:
+    value = metadata.get("metrics", {}).get("loss")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def scan_runs(root: StorageLocation) -> list[RunRow]:
-    """Walk <root>/<user>/<project>/<run>/ (three levels) and read each run's checkpoint state."""
+    """Walk <root>/<user>/<project>/<run>/ (three levels) and read each run's checkpoint state. Folders holding
+    neither checkpoints/ nor data/ are not runs and are skipped."""
     from raytrain.checkpoint.store import CheckpointStore
     from raytrain.runlock import RunLock
 
@@ -33,26 +56,44 @@ def scan_runs(root: StorageLocation) -> list[RunRow]:
                 rdir = pdir.join(run)
                 if not rdir.join("checkpoints").is_dir() and not rdir.join("data").is_dir():
                     continue
-                store = CheckpointStore(rdir)
-                committed = store.committed()
+                committed = CheckpointStore(rdir).committed()
+                latest = committed[-1] if committed else None
                 holder = RunLock(rdir).holder()
-                rows.append(RunRow(user, project, run, committed[-1].step if committed else None, len(committed),
-                                   f"{holder.host}:{holder.pid}" if holder else "", rdir.uri))
+                rows.append(RunRow(
+                    user, project, run, latest.step if latest else None, len(committed),
+                    _loss(latest.metadata) if latest else None,
+                    str(latest.manifest.get("created_at", "")) if latest else "",
+                    f"{holder.host}:{holder.pid}" if holder else "", rdir.uri))
     return rows
 
 
-def print_status(root_uri: str) -> None:
+def format_cells(row: RunRow) -> tuple[str, ...]:
+    """The table cells of one row, in COLUMNS order ('-' for a missing value)."""
+    loss = "-" if row.latest_loss is None else ("nan" if math.isnan(row.latest_loss) else f"{row.latest_loss:.4f}")
+    return (row.user, row.project, row.run, "-" if row.latest_step is None else str(row.latest_step),
+            str(row.num_checkpoints), loss, row.saved_at or "-", row.locked_by or "-")
+
+
+def print_status(root_uri: str) -> int:
+    """Print the runs under `root_uri` as a table; returns how many runs it found. Raises RaytrainError when the
+    root does not exist (a mistyped --root should not read as "no runs")."""
     from rich.console import Console
     from rich.table import Table
 
     root = resolve(root_uri)
+    if root.is_posix and not root.is_dir():
+        raise RaytrainError(f"--root {root.uri} does not exist; pass the storage.root of your runs "
+                            "(runs live at <root>/<user>/<project>/<run>/)")
     rows = scan_runs(root)
     table = Table(title=f"raytrain runs under {root.uri}")
-    for col in ("user", "project", "run", "latest step", "checkpoints", "running (host:pid)"):
-        table.add_column(col)
+    for col in COLUMNS:
+        # no_wrap: a run name split over two lines is hard to copy into storage.run_name=...
+        table.add_column(col, no_wrap=col in ("user", "project", "run"))
     for r in rows:
-        table.add_row(r.user, r.project, r.run, "-" if r.latest_step is None else str(r.latest_step),
-                      str(r.num_checkpoints), r.locked_by)
-    Console().print(table)
+        table.add_row(*format_cells(r))
+    # Wide enough for the table when piped (rich falls back to 80 columns without a terminal).
+    console = Console(width=160) if not Console().is_terminal else Console()
+    console.print(table)
     if not rows:
-        Console().print(f"no runs under {root.uri} (runs live at <root>/<user>/<project>/<run>/)")
+        console.print(f"no runs under {root.uri} (runs live at <root>/<user>/<project>/<run>/)")
+    return len(rows)

@@ -67,6 +67,8 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
             f"the packed dataset holds {num_packs} sequences = {micro_batches_per_epoch} micro-batches of "
             f"{tc.micro_batch_size}, fewer than one optimizer step needs ({tc.dp} x {tc.grad_accum_steps}); "
             "use more data, a smaller dataset.seq_len or smaller batches")
+    if run_root.is_posix:
+        run_root.join("reports").mkdirs()  # workers append metrics and data traces here
     loop_config = {
         "overrides": job_as_overrides(job),
         "run_uri": run_root.uri,
@@ -79,7 +81,9 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
         train_loop_per_worker,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu),
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu,
+                                     resources_per_worker=tc.worker_resources() or None,
+                                     placement_strategy=tc.placement_strategy),
         run_config=RunConfig(
             name="ray_train", storage_path=run_root.join("ray").ray_storage_path,
             storage_filesystem=run_root.join("ray").ray_storage_filesystem,

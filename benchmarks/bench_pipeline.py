@@ -1,0 +1,272 @@
+"""Pipeline-parallel throughput on CPU workers: pp=2 against pp=1, and the Ray Data feed against an in-memory one.
+Prints figures; never asserts.
+
+    python benchmarks/bench_pipeline.py [--steps 6] [--warmup 2] [--rounds 2] [--grad-accum 8] [--seq-len 256]
+
+Contenders (same model, same global batch, same seeded random-token data, TorchTrainer + DeepSpeed pipeline engine
+through raytrain's own `build_stage_engine`, `micro_batches` feed and `Topology`):
+
+1. pp=1, 1 worker x 1 thread          baseline for the pipeline speed-up (one core)
+2. pp=2, 2 workers x 1 thread, fed from memory     tokens/s against 1.: ideal 2 * m / (m + p - 1) (target >= 0.9)
+3. pp=2, 2 workers x 1 thread, fed by Ray Data      tokens/s against 2. (target >= 0.97), the production read path:
+   packed Parquet -> raytrain.dataset.stream.training_dataset -> get_dataset_shard -> iter_batches, unsplit
+(--same-cores) pp=1, 1 worker x 2 threads: the two cores pp=2 uses, spent on intra-op parallelism instead
+
+The model is a Mistral of 8 decoder layers, hidden 256, with a 1,024-token vocabulary, so the LM head (which sits on
+the last stage) costs about one decoder layer and the two stages are nearly balanced: the presets' 32,768-token
+vocabulary would make the head ~10 decoder layers on a model this narrow, and the pipeline would then measure
+the partition, not the schedule. The balance is printed (FLOPs of the busier stage over half the total).
+
+On a 2-core machine pp=2 takes both cores (one per stage) against one for pp=1, and has no spare core to overlap
+communication onto. Other processes compete for the same cores, so every launch prints its step times and the load
+average, contenders run in ABC CBA order, and ratios are given from the best step (least disturbed) and from the
+median step of each contender.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TARGET_PP_RATIO = 0.9  # achieved pp=2 speed-up over the ideal 2m/(m+p-1)
+TARGET_FEED_RATIO = 0.97  # tokens/s fed by Ray Data over fed from memory
+
+BENCH_MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per contender")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (engine warm-up, stream start)")
+    parser.add_argument("--grad-accum", type=int, default=8, help="micro-batches per step (the pipeline's m)")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2, help="launches per contender, in ABC CBA order")
+    parser.add_argument("--same-cores", action="store_true",
+                        help="also time pp=1 with 2 threads (the two cores pp=2 uses); slow on a loaded machine")
+    parser.add_argument("--out", default="", help="working folder (default: a new temp dir)")
+    return parser.parse_args(argv)
+
+
+def write_random_packs(folder: str, num_packs: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[str]:
+    """Packed-sequence Parquet in the schema raytrain.dataset writes: one document per pack, next-token labels."""
+    rng = np.random.default_rng(seed)
+    input_ids = rng.integers(0, vocab_size, size=(num_packs, seq_len), dtype=np.int64)  # (N, T)
+    labels = np.concatenate([input_ids[:, 1:], np.full((num_packs, 1), -100, dtype=np.int64)], axis=1)  # (N, T)
+    position_ids = np.broadcast_to(np.arange(seq_len, dtype=np.int64), (num_packs, seq_len))
+    table = pa.table({
+        "input_ids": list(input_ids), "position_ids": list(position_ids),
+        "segment_ids": list(np.zeros((num_packs, seq_len), dtype=np.int64)), "labels": list(labels),
+        "doc_ids": [f"bench-{i:05d}" for i in range(num_packs)],
+        "num_tokens": np.full(num_packs, seq_len, dtype=np.int64),
+    })
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "part-00000.parquet")
+    pq.write_table(table, path, row_group_size=32)
+    return [path]
+
+
+def bench_worker_loop(config: dict) -> None:
+    """One TorchTrainer worker: build its pipeline stage, run warmup + timed steps, report step times."""
+    import ray.train
+    import torch
+
+    from raytrain.pipeline.engine import build_stage_engine, init_distributed
+    from raytrain.pipeline.model import MistralConfig
+    from raytrain.trainer.feed import micro_batches
+    from raytrain.trainer.schedule import Topology
+
+    torch.set_num_threads(config["threads"])
+    torch.manual_seed(0)
+    topo = Topology(pp=config["pp"], dp=1, world_rank=ray.train.get_context().get_world_rank())
+    init_distributed("gloo")
+    stage = build_stage_engine(MistralConfig.from_dict(config["model"]), config["ds_config"], pp=config["pp"], dp=1,
+                               partition_method="type:DecoderLayerPipe", activation_checkpoint_interval=0, seed=0)
+    mbs, m = config["micro_batch_size"], config["grad_accum_steps"]
+    data_iter = None
+    if topo.needs_data:
+        if config["feed"] == "ray_data":
+            import ray.data
+
+            ray.data.DataContext.get_current().enable_progress_bars = False
+            shard = ray.train.get_dataset_shard("train")
+
+            def epoch_batches(epoch: int):
+                return shard.iter_batches(batch_size=mbs, batch_format="numpy", drop_last=True)
+        else:  # the same Parquet, read into memory before the clock starts
+            table = pq.read_table(config["files"])
+            cols = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+            cached = [{k: v[i:i + mbs] for k, v in cols.items()} for i in range(0, table.num_rows - mbs + 1, mbs)]
+
+            def epoch_batches(epoch: int):
+                return cached
+        data_iter = micro_batches(epoch_batches, start_position=0,
+                                  micro_batches_per_epoch=config["micro_batches_per_epoch"], dp_rank=0, dp=1,
+                                  grad_accum_steps=m)
+    step_times, losses = [], []
+    for _ in range(config["warmup"] + config["steps"]):
+        t0 = time.perf_counter()
+        losses.append(stage.train_batch(data_iter))
+        step_times.append(time.perf_counter() - t0)
+    # Ray Train 2.60 keeps metrics only with checkpoints, so rank 0 (stage 0, which finishes a 1F1B step last: its
+    # backward of the last micro-batch comes after every other stage's) writes its timings to a file.
+    if topo.world_rank == 0:
+        with open(config["result_path"], "w", encoding="utf-8") as f:
+            json.dump({"step_times": step_times, "losses": losses}, f)
+
+
+CONTENDERS = (  # name, pp, threads per worker, feed
+    ("pp1-1thread", 1, 1, "memory"),
+    ("pp2-memory", 2, 1, "memory"),
+    ("pp2-raydata", 2, 1, "ray_data"),
+)
+# Opt-in (--same-cores): one worker with 2 intra-op threads. On a loaded 2-core machine its OpenMP regions wait for
+# both threads to be scheduled at once, and steps of 15-70 s were seen (against ~1.4 s with one thread).
+SAME_CORES = ("pp1-2threads", 1, 2, "memory")
+
+
+def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: str, args, files: list[str],
+                  num_packs: int, workdir: str) -> dict:
+    """One TorchTrainer launch; returns its step times (warmup dropped), losses and the load average around it."""
+    from ray.data import ExecutionOptions
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain.config import TrainConfig
+    from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
+
+    tc = TrainConfig(pp=pp, dp=1, micro_batch_size=args.micro_batch_size, grad_accum_steps=args.grad_accum,
+                     max_steps=args.warmup + args.steps, lr=1e-3, warmup_steps=1)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ds_config = derive_ds_config(load_ds_config(os.path.join(root, "configs", "ds_config.json")), tc)
+    result_path = os.path.join(workdir, f"{name}-round{round_index}.json")
+    config = {"pp": pp, "threads": threads, "feed": feed, "model": BENCH_MODEL, "ds_config": ds_config,
+              "micro_batch_size": args.micro_batch_size, "grad_accum_steps": args.grad_accum,
+              "micro_batches_per_epoch": num_packs // args.micro_batch_size, "warmup": args.warmup,
+              "steps": args.steps, "files": files, "result_path": result_path}
+    datasets = {}
+    if feed == "ray_data":  # the production read (raytrain.dataset.stream): packed Parquet, lazily read, fixed order
+        from raytrain.dataset.stream import PackedData, training_dataset
+        from raytrain.storage import resolve
+
+        location = resolve(os.path.dirname(files[0]))
+        datasets["train"] = training_dataset(PackedData(location, tuple(files), num_packs, num_packs * args.seq_len))
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    TorchTrainer(
+        bench_worker_loop, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=pp, use_gpu=False, resources_per_worker={"CPU": threads}),
+        run_config=RunConfig(name=f"{name}-round{round_index}", storage_path=os.path.join(workdir, "ray")),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)),
+    ).fit()
+    wall_s = time.perf_counter() - t0
+    with open(result_path, encoding="utf-8") as f:
+        measured = json.load(f)
+    print(f"  {name:<13} round {round_index}: steps {[round(t, 2) for t in measured['step_times']]} s "
+          f"(first {args.warmup} untimed), launch {wall_s:.0f}s, load {load_before:.1f}->{os.getloadavg()[0]:.1f}",
+          flush=True)
+    return {"step_times": measured["step_times"][args.warmup:], "first_step_s": measured["step_times"][0],
+            "losses": measured["losses"], "load_avg": (load_before, os.getloadavg()[0])}
+
+
+def stage_balance(pp: int, seq_len: int) -> float:
+    """Training FLOPs of the busiest stage over the mean stage: 1.0 = perfectly balanced (PaLM counting)."""
+    from raytrain.pipeline.model import MistralConfig, layer_parameter_counts
+    from raytrain.pipeline.module import stage_layer_ranges
+
+    cfg = MistralConfig.from_dict(BENCH_MODEL)
+    counts = layer_parameter_counts(cfg)
+    attention = 12.0 * cfg.num_attention_heads * cfg.head_dim * seq_len
+    flops = [0.0] + [6.0 * c + attention for c in counts[1:-2]] + [6.0 * counts[-2], 6.0 * counts[-1]]
+    per_stage = [sum(flops[a:b]) for a, b in stage_layer_ranges(cfg, pp, "type:DecoderLayerPipe")]
+    return max(per_stage) / (sum(per_stage) / pp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import ray
+    import ray.data
+
+    from raytrain.runner import WORKER_ENV
+
+    workdir = args.out or tempfile.mkdtemp(prefix="bench_pipeline-")
+    num_packs = (args.warmup + args.steps) * args.grad_accum * args.micro_batch_size  # one epoch, no pack reused
+    files = write_random_packs(os.path.join(workdir, "packed"), num_packs, args.seq_len, BENCH_MODEL["vocab_size"])
+    m, p = args.grad_accum, 2
+    print(f"bench_pipeline: model {BENCH_MODEL}, seq {args.seq_len}, micro-batch {args.micro_batch_size} x m={m} "
+          f"= {args.micro_batch_size * m * args.seq_len} tokens/step; {args.warmup} warmup + {args.steps} timed "
+          f"steps; {os.cpu_count()} CPUs; work dir {workdir}", flush=True)
+    # log_to_driver off: the figures below are the output (workers' DeepSpeed/Ray Data chatter stays in Ray's logs)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": dict(WORKER_ENV)})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    t_all = time.perf_counter()
+    contenders = CONTENDERS + ((SAME_CORES,) if args.same_cores else ())
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in contenders}
+    try:
+        common = dict(args=args, files=files, num_packs=num_packs, workdir=workdir)
+        for round_index in range(args.rounds):
+            # ABC then CBA: a load that drifts during the run weighs on every contender alike
+            order = contenders if round_index % 2 == 0 else tuple(reversed(contenders))
+            for name, pp, threads, feed in order:
+                runs[name].append(run_contender(name, round_index, pp=pp, threads=threads, feed=feed, **common))
+    finally:
+        ray.shutdown()
+
+    tokens_per_step = args.micro_batch_size * m * args.seq_len
+    stats = {}
+    for name, *_ in contenders:
+        times = [t for r in runs[name] for t in r["step_times"]]
+        stats[name] = {"best": min(times), "median": statistics.median(times),
+                       "first": statistics.median(r["first_step_s"] for r in runs[name])}
+    print(f"\n{'contender':<14} {'workers x thr':>13} {'feed':>9} {'best step s':>12} {'median step s':>14} "
+          f"{'tok/s (best)':>13} {'tok/s (median)':>15} {'first step s':>13}")
+    for name, pp, threads, feed in contenders:
+        st = stats[name]
+        print(f"{name:<14} {pp:>9} x {threads:<1} {feed:>9} {st['best']:>12.3f} {st['median']:>14.3f} "
+              f"{tokens_per_step / st['best']:>13.0f} {tokens_per_step / st['median']:>15.0f} {st['first']:>13.2f}")
+
+    ideal = 2 * m / (m + p - 1)
+    balance = stage_balance(p, args.seq_len)
+
+    def ratio(a: str, b: str, key: str) -> float:  # tokens/s of a over b = step time of b over a
+        return stats[b][key] / stats[a][key]
+
+    print(f"\npp=2 vs pp=1 (one core per worker), ideal 2m/(m+p-1) = {ideal:.2f}x "
+          f"(stage balance busiest/mean FLOPs {balance:.3f} -> balance-adjusted ideal {ideal / balance:.2f}x):")
+    for key in ("best", "median"):
+        speedup = ratio("pp2-memory", "pp1-1thread", key)
+        print(f"  {key:>6} steps: speed-up {speedup:.2f}x, achieved/ideal {speedup / ideal:.2f} "
+              f"(target >= {TARGET_PP_RATIO})")
+    for key in ("best", "median") if args.same_cores else ():
+        print(f"  {key:>6} steps: pp=2 over pp=1 with 2 threads (the same two cores): "
+              f"{ratio('pp2-memory', 'pp1-2threads', key):.2f}x")
+    print(f"Ray Data feed vs in-memory feed (pp=2), target >= {TARGET_FEED_RATIO}:")
+    for key in ("best", "median"):
+        print(f"  {key:>6} steps: {ratio('pp2-raydata', 'pp2-memory', key):.3f}")
+    print(f"  first step (stream start, engine warm-up): Ray Data {stats['pp2-raydata']['first']:.2f}s, "
+          f"memory {stats['pp2-memory']['first']:.2f}s")
+    same_losses = all(r["losses"] == runs["pp2-memory"][0]["losses"] for r in runs["pp2-raydata"])
+    print(f"  same losses step by step with both feeds (same micro-batches, same order): {same_losses}")
+    print(f"\nbench_pipeline: {time.perf_counter() - t_all:.0f}s for {args.rounds * len(contenders)} launches; "
+          f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Export a trained pipeline checkpoint with the real CLI (`python -m raytrain.cli export`) and load it with
+transformers: the logits must equal those of our own layers loaded straight from DeepSpeed's per-layer checkpoint
+files (torch.load, no export code involved), and greedy generate() must pick the same tokens, decoded by the real
+Mistral tokenizer. Training data is packed by Ray Data from synthetic conversations (no Spark)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+
+import mistral_common
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import transformers
+from mistral_common.protocol.instruct.messages import UserMessage
+from mistral_common.protocol.instruct.request import ChatCompletionRequest
+from mistral_common.protocol.instruct.validator import ValidationMode
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+from raytrain.checkpoint.store import CheckpointStore
+from raytrain.config import load_job_config
+from raytrain.dataset.tokenize import TOKENIZER_FILES
+from raytrain.pipeline.engine import DS_TAG
+from raytrain.pipeline.model import MistralConfig, build_sequential
+from raytrain.runner import WORKER_ENV, open_run, run_train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = "configs/cpu-tiny.yaml"
+STEPS = 3
+NEW_TOKENS = 8
+
+
+def _overrides(root) -> list[str]:
+    return [f"storage.root={root}", "storage.run_name=export", "storage.user=ci", "train.pp=2", "train.dp=1",
+            f"train.max_steps={STEPS}", f"train.checkpoint_every={STEPS}", "train.warmup_steps=1"]
+
+
+def _write_packed(job, num_conversations: int):
+    """Synthetic enriched rows (uuid, messages_json) -> Ray Data tokenize + pack into the run's data folder."""
+    from raytrain.dataset.stream import tokenize_and_pack
+
+    rng = random.Random(1)
+    rows = {"uuid": [], "messages_json": []}
+    for i in range(num_conversations):
+        topic = rng.choice(["tides", "bread", "glaciers", "compilers", "honeybees", "rainbows"])
+        body = " ".join(f"Point {k}: {topic} obey law {rng.randint(1, 50)}." for k in range(rng.randint(1, 5)))
+        rows["uuid"].append(f"exp-{i:04d}")
+        rows["messages_json"].append(json.dumps([{"role": "user", "content": f"Tell me about {topic}."},
+                                                 {"role": "assistant", "content": body}]))
+    run = open_run(job)
+    enriched = run.root.join("data", "synthetic_enriched")
+    enriched.mkdirs()
+    pq.write_table(pa.table(rows), enriched.join("part-00000.parquet").path)
+    packed = tokenize_and_pack(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
+    # `raytrain enrich` would have created reports/; the trainer writes into it without creating it (bug reported)
+    run.root.join("reports").mkdirs()
+    return packed
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+    try:
+        root = tmp_path_factory.mktemp("export")
+        job = load_job_config(os.path.join(ROOT, CONFIG), _overrides(root))
+        _write_packed(job, num_conversations=40)
+        run_train(job)
+    finally:
+        ray.shutdown()
+    return root, job
+
+
+@pytest.fixture(scope="module")
+def exported(trained):
+    root, job = trained
+    out = os.path.join(root, "hf-export")
+    proc = subprocess.run([sys.executable, "-m", "raytrain.cli", "export", CONFIG, *_overrides(root), "--out", out],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT, **WORKER_ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"exported Hugging Face model to {out}" in proc.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_layers(trained):
+    """Our nn.Sequential with each pipeline layer loaded by torch.load from DeepSpeed's layer_XX file."""
+    _, job = trained
+    cfg = MistralConfig.preset(job.model.preset)
+    latest = CheckpointStore(open_run(job).root).latest()
+    assert latest is not None and latest.step == STEPS
+    tag_dir = os.path.join(latest.local_path, DS_TAG)
+    model = build_sequential(cfg, seed=job.train.seed + 1)  # a different init: every tensor must be overwritten
+    for index, layer in enumerate(model):
+        state = torch.load(os.path.join(tag_dir, f"layer_{index:02d}-model_states.pt"), map_location="cpu",
+                           weights_only=True)
+        layer.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def _prompt_ids() -> torch.Tensor:
+    """A chat prompt encoded by mistral-common's v3 tokenizer (the training tokenizer of cpu-tiny.yaml)."""
+    return torch.tensor([_tokenizer().encode_chat_completion(
+        ChatCompletionRequest(messages=[UserMessage(content="Tell me about tides and glaciers.")])).tokens])
+
+
+def _tokenizer() -> MistralTokenizer:
+    path = os.path.join(os.path.dirname(mistral_common.__file__), "data", TOKENIZER_FILES["v3"])
+    return MistralTokenizer.from_file(path, mode=ValidationMode.test)
+
+
+def _our_logits(model: torch.nn.Sequential, input_ids: torch.Tensor) -> torch.Tensor:
+    batch_size, seq_len = input_ids.shape
+    position_ids = torch.arange(seq_len).expand(batch_size, seq_len)  # (B, T)
+    with torch.no_grad():
+        return model((input_ids, position_ids, torch.zeros_like(input_ids)))  # (B, T, V)
+
+
+def test_export_holds_trained_weights(exported, reference_layers, trained):
+    _, job = trained
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(exported, "*")))
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(files)
+    untrained = build_sequential(MistralConfig.preset(job.model.preset), seed=job.train.seed)
+    changed = [not torch.equal(a, b) for a, b in zip(reference_layers.parameters(), untrained.parameters(),
+                                                      strict=True)]
+    assert all(changed), "training must have moved every parameter away from its seeded init"
+
+
+def test_from_pretrained_logits_equal_the_pipeline_layers(exported, reference_layers):
+    hf = transformers.MistralForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    assert hf.dtype == torch.float32
+    input_ids = _prompt_ids()  # (1, T)
+    with torch.no_grad():
+        hf_logits = hf(input_ids).logits  # (1, T, V)
+    ours = _our_logits(reference_layers, input_ids)
+    assert hf_logits.shape == ours.shape
+    torch.testing.assert_close(hf_logits, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_matches_our_greedy_decoding_and_decodes(exported, reference_layers):
+    hf = transformers.MistralForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    prompt = _prompt_ids()
+    eos = hf.generation_config.eos_token_id
+    with torch.no_grad():
+        generated = hf.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=eos)
+    new_tokens = generated[0, prompt.shape[1]:].tolist()
+
+    ids, expected = prompt, []  # greedy decoding with our layers, full recompute per token
+    for _ in range(NEW_TOKENS):
+        next_id = int(_our_logits(reference_layers, ids)[0, -1].argmax())
+        expected.append(next_id)
+        if next_id == eos:
+            break
+        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    assert new_tokens == expected
+
+    tokenizer = _tokenizer()
+    assert max(new_tokens) < tokenizer.instruct_tokenizer.tokenizer.n_words
+    text = tokenizer.decode(new_tokens)
+    assert isinstance(text, str)
+    print(f"\ngenerated ids {new_tokens} -> {text!r}")

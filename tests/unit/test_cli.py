@@ -1,0 +1,156 @@
+"""The `raytrain` command line as a user runs it: a subprocess of `python -m raytrain.cli`, exit codes 0 (ok),
+1 (failed) and 2 (bad usage or config), messages without tracebacks, and the `status` table. No Ray is started:
+every failing case here must fail in preflight, before any cluster work."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from raytrain.checkpoint.store import CheckpointStore
+from raytrain.runlock import RunLock
+from raytrain.storage import resolve
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMANDS = ("run", "enrich", "train", "export", "status")
+
+
+def cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", COLUMNS="200")
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "raytrain.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def assert_no_ray_and_no_traceback(out: subprocess.CompletedProcess) -> None:
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text, text
+    # runner.connect_ray logs one of these before ray.init: preflight must have stopped the command earlier
+    assert "embedded local Ray" not in text and "joining Ray cluster" not in text, text
+
+
+@pytest.mark.parametrize("args", [("--help",), *((c, "--help") for c in COMMANDS)], ids=lambda a: " ".join(a))
+def test_help_exits_0(args):
+    out = cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: raytrain")
+    if args[0] != "--help":
+        assert f"usage: raytrain {args[0]}" in out.stdout
+    else:
+        assert all(c in out.stdout for c in COMMANDS)
+        assert "exit codes" in out.stdout
+
+
+def test_no_command_is_usage_error():
+    out = cli()
+    assert out.returncode == 2
+    assert "COMMAND is required" in out.stderr
+
+
+def test_unknown_command_is_usage_error():
+    out = cli("fly")
+    assert out.returncode == 2
+    assert "invalid choice: 'fly'" in out.stderr
+
+
+def test_unknown_config_key_exits_2_naming_the_key(tmp_path):
+    out = cli("run", "configs/demo.yaml", "train.max_step=3", f"storage.root={tmp_path}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "unknown config key 'train.max_step'" in out.stderr
+    assert "Did you mean train.max_steps?" in out.stderr
+    assert_no_ray_and_no_traceback(out)
+
+
+def test_missing_input_path_exits_1_before_starting_ray(tmp_path):
+    missing = tmp_path / "no-such-dataset"
+    root = tmp_path / "runs"
+    out = cli("run", "configs/demo.yaml", f"data.input_path={missing}", f"storage.root={root}", "storage.user=ci")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "data.input_path" in out.stderr and str(missing) in out.stderr
+    assert_no_ray_and_no_traceback(out)
+    assert not (root / "ci").exists(), "the run folder was created: the command got past preflight"
+
+
+def test_ds_config_batch_mismatch_exits_2(tmp_path):
+    with open(os.path.join(REPO, "configs", "ds_config.json")) as f:
+        ds = json.load(f)
+    ds["train_micro_batch_size_per_gpu"] = 4
+    ds_path = tmp_path / "ds_config.json"
+    ds_path.write_text(json.dumps(ds))
+    out = cli("train", "configs/demo.yaml", "train.micro_batch_size=2", f"train.ds_config={ds_path}",
+              f"storage.root={tmp_path / 'runs'}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "train_micro_batch_size_per_gpu = 4 disagrees with train.micro_batch_size = 2" in out.stderr
+    assert_no_ray_and_no_traceback(out)
+
+
+def test_export_without_checkpoint_exits_1(tmp_path):
+    out = cli("export", "configs/demo.yaml", f"storage.root={tmp_path}", "storage.user=ci")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "no committed checkpoint" in out.stderr
+    assert_no_ray_and_no_traceback(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# status
+
+
+def commit_checkpoint(run_dir, step: int, loss: float) -> None:
+    store = CheckpointStore(resolve(str(run_dir)), keep_last=None)
+    staging = store.staging_dir(step)
+    with open(os.path.join(staging, "layer_00-model_states.pt"), "wb") as f:
+        f.write(os.urandom(64))
+    store.commit(step, {"metrics": {"loss": loss, "step": step}})
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    """rich's box table -> {run name: cells}; the header row is keyed 'run'."""
+    rows = {}
+    for line in stdout.splitlines():
+        line = line.replace("┃", "│")  # the header row uses heavy bars
+        if line.count("│") >= 2:
+            cells = [c.strip() for c in line.strip().strip("│").split("│")]
+            rows[cells[2]] = cells
+    return rows
+
+
+def test_status_lists_runs_with_their_checkpoints(tmp_path):
+    root = tmp_path / "runs"
+    commit_checkpoint(root / "ci" / "demo" / "run-a", 3, 2.5)
+    commit_checkpoint(root / "ci" / "demo" / "run-a", 6, 1.25)
+    (root / "ci" / "demo" / "run-b" / "data" / "packed").mkdir(parents=True)  # packed data, no checkpoint yet
+    (root / "ci" / "demo" / "notes").mkdir()  # neither data/ nor checkpoints/: not a run
+    commit_checkpoint(root / "bob" / "other" / "run-c", 1, 9.0)
+    store_a = CheckpointStore(resolve(str(root / "ci" / "demo" / "run-a")))
+    saved_at = store_a.latest().manifest["created_at"]
+
+    lock = RunLock(resolve(str(root / "bob" / "other" / "run-c")), heartbeat_interval_s=None)
+    with lock:  # a job holding run-c
+        out = cli("status", "--root", str(root))
+    assert out.returncode == 0, out.stderr
+    rows = table_rows(out.stdout)
+    assert rows["run"] == ["user", "project", "run", "latest step", "checkpoints", "loss", "saved at",
+                           "running (host:pid)"]
+    assert set(rows) == {"run", "run-a", "run-b", "run-c"}, out.stdout
+    assert rows["run-a"] == ["ci", "demo", "run-a", "6", "2", "1.2500", saved_at, "-"]
+    assert rows["run-b"] == ["ci", "demo", "run-b", "-", "0", "-", "-", "-"]
+    assert rows["run-c"][:6] == ["bob", "other", "run-c", "1", "1", "9.0000"]
+    assert rows["run-c"][7] == f"{socket.gethostname()}:{os.getpid()}"
+
+
+def test_status_of_empty_root_says_so(tmp_path):
+    out = cli("status", "--root", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "no runs under" in out.stdout
+
+
+def test_status_of_missing_root_exits_1(tmp_path):
+    out = cli("status", "--root", str(tmp_path / "typo"))
+    assert out.returncode == 1
+    assert "does not exist" in out.stderr and "typo" in out.stderr
+    assert "Traceback" not in out.stderr
