@@ -1,39 +1,65 @@
-"""The enrichment job on Spark-on-Ray: Nemotron Parquet in -> enriched + quarantine Parquet out, with a report.
+"""The enrichment job on Spark-on-Ray: Nemotron Parquet in -> enriched + quarantine Parquet out, with a manifest
+and a run report.
 
-Spark does the row work (derive, quality filters, relevance selection); the per-row logic lives in the pure
-modules next to this one (conversation, relevance, dedup, decontam), called from pandas UDFs.
+    read -> derive -> license -> exact_dedup -> near_dedup -> decontaminate -> select_context -> tokenize_check
+
+Each step (``steps.py``) passes rows on or quarantines them with a reason; the job materializes every step's
+output once (persist + count), logs the counts, and checks that no row went missing: rows_in == rows_out +
+quarantined, per step and overall. Outputs, under the run's ``data/`` folder:
+
+- ``data/enriched/part-*.parquet``: kept rows sorted by uuid (flat files, one per Spark partition), with the
+  audit columns of the selection (``context_sentences``, ``kept_indices``, ``kept_sentences``, ``sentence_scores``,
+  ``question_scores``, ``answer_scores``), ``num_tokens`` and the training conversation ``messages_json``.
+- ``data/quarantine/part-*.parquet``: ``uuid, split, category, reason, detail`` for every row not kept.
+- ``data/enriched/_manifest.json``, written last: row counts, files, the config hash, the eval sets' sha256.
+- ``reports/enrich_summary.txt`` here, ``reports/enrich_report.json`` by the runner (the report dict).
+
+Hand-off to Ray Data: training reads the enriched Parquet (``ray.data.read_parquet``, raytrain.dataset.stream),
+not ``ray.data.from_spark``. Chosen by measurement (benchmarks/bench_enrich.py, 2,000 sample rows -> 1,699 kept,
+2 executors, 2-core machine shared with other jobs, load average 3-6): reading the Parquet into a materialized
+Ray Dataset took 2.8 s (best of 2; 0.022 of the 130 s enrichment), ``from_spark`` on the persisted final
+DataFrame 3.8 s (0.030). Both are small next to the enrichment, so the rest decides: the Parquet is written anyway
+(the durable record the manifest vouches for, and what a resumed run re-reads), reading it does not need Spark
+alive, Spark's executors are released before Ray Data and the trainer need the CPUs (the starvation hang in
+FACTS.md), and in the same benchmark a ``read_parquet`` issued after ``from_spark`` in one Ray session died in Ray
+Data's ListFiles actor (twice out of two tries; Ray 2.60 + RayDP 1.6.5). RayDP 1.6.5 converts through its
+"recoverable" path, so ``from_spark`` blocks stayed readable after ``raydp.stop_spark()`` (the README's
+``cleanup_data=False`` advice is about the older conversion).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import pandas as pd
 import pyarrow.parquet as pq
 
 from raytrain.config import JobConfig
-from raytrain.enrich.conversation import Example, build_training_messages, derive_example
+from raytrain.enrich.decontam import build_eval_index, load_eval_sets
+from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, merge_reasons, summary_text
 from raytrain.enrich.schema import validate_schema
 from raytrain.errors import RaytrainError
-from raytrain.storage import StorageLocation
+from raytrain.storage import StorageLocation, resolve
 
 log = logging.getLogger(__name__)
 
-# Columns of the derived table Spark writes (all strings: one schema for good and quarantined rows).
-DERIVED_COLUMNS = ("uuid", "category", "status", "detail", "context", "question", "answer", "messages_json")
-OK = "ok"
+MANIFEST = "_manifest.json"
 
 
 @dataclass(frozen=True)
 class EnrichResult:
     enriched: StorageLocation
+    """Folder of the enriched Parquet files (flat, plus _manifest.json)."""
     quarantine: StorageLocation
+    """Folder of the quarantine Parquet files."""
     report: dict[str, Any] = field(default_factory=dict)
+    """The run report (see module docstring); the runner writes it to reports/enrich_report.json."""
 
 
 def list_input_files(input_root: StorageLocation, splits: tuple[str, ...]) -> dict[str, list[StorageLocation]]:
@@ -52,73 +78,204 @@ def list_input_files(input_root: StorageLocation, splits: tuple[str, ...]) -> di
     return files
 
 
-def validate_inputs(files: dict[str, list[StorageLocation]]) -> int:
-    """Check every file's schema from its footer (no rows read); returns the total row count."""
-    rows = 0
-    for locs in files.values():
+def validate_inputs(files: dict[str, list[StorageLocation]]) -> dict[str, int]:
+    """Check every file's schema from its footer (no rows read); returns the row count per split.
+
+    Raises RaytrainError naming the file and the offending column (schema.validate_schema)."""
+    rows: dict[str, int] = {}
+    for split, locs in files.items():
+        rows[split] = 0
         for loc in locs:
-            with loc.filesystem.open_input_file(loc.path) as f:  # seekable: Parquet reads the footer
-                try:
+            try:
+                with loc.filesystem.open_input_file(loc.path) as f:  # seekable: Parquet reads the footer
                     meta = pq.ParquetFile(f).metadata
-                except Exception as e:  # pyarrow raises ArrowInvalid/OSError subclasses for non-Parquet bytes
-                    raise RaytrainError(f"{loc.uri}: not a readable Parquet file ({e}). Fix or remove it.") from None
-                validate_schema(meta.schema.to_arrow_schema(), loc.uri)
-                rows += meta.num_rows
+            except Exception as e:  # pyarrow raises ArrowInvalid/OSError (a directory, non-Parquet bytes)
+                raise RaytrainError(f"{loc.uri}: not a readable Parquet file ({e}). Fix or remove it.") from None
+            validate_schema(meta.schema.to_arrow_schema(), loc.uri)
+            rows[split] += meta.num_rows
     return rows
 
 
-def _derive_partition(batches: Iterator[pd.DataFrame], max_chars: int) -> Iterator[pd.DataFrame]:
-    """Spark mapInPandas body: raw Nemotron rows -> one derived row each, status 'ok' or a quarantine reason."""
-    for pdf in batches:
-        out: list[dict[str, Any]] = []
-        for row in pdf.to_dict("records"):
-            result = derive_example(row, max_chars=max_chars)
-            if isinstance(result, Example):
-                messages = build_training_messages(result, [])
-                out.append({"uuid": result.uuid, "category": result.category, "status": OK, "detail": "",
-                            "context": result.context, "question": result.question, "answer": result.answer,
-                            "messages_json": json.dumps(messages, ensure_ascii=False)})
-            else:
-                out.append({"uuid": result.uuid, "category": str(row.get("category") or ""),
-                            "status": result.reason, "detail": result.detail, "context": "", "question": "",
-                            "answer": "", "messages_json": ""})
-        yield pd.DataFrame(out, columns=list(DERIVED_COLUMNS))
+@dataclass(frozen=True)
+class EvalSets:
+    """Decontamination input: the eval texts and where they came from."""
+
+    texts: list[str]
+    sources: list[dict[str, Any]]  # {"uri", "sha256", "items"} per file
 
 
-def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLocation) -> EnrichResult:
-    from raytrain.enrich.spark import spark_session
+def load_eval_texts(eval_sets: tuple[str, ...], input_root: StorageLocation, s3_endpoint: str | None) -> EvalSets:
+    """Read the eval files (paths or URIs; 'sample' = the input's eval/eval_set.jsonl); object-store files are
+    copied to a temp dir first because decontam.load_eval_sets reads local files."""
+    texts: list[str] = []
+    sources: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="raytrain-eval-") as tmp:
+        for i, spec in enumerate(eval_sets):
+            loc = input_root.join("eval", "eval_set.jsonl") if spec == "sample" else resolve(spec, s3_endpoint=s3_endpoint)
+            if not loc.is_file():
+                raise RaytrainError(f"enrich.eval_sets[{i}]: {loc.uri} is not a file. Fix: point it at a JSONL, "
+                                    "Parquet or text eval file, or drop it.")
+            data = loc.read_bytes()
+            local = loc.path if loc.is_posix else os.path.join(tmp, f"{i}-{loc.name}")
+            if not loc.is_posix:
+                with open(local, "wb") as f:
+                    f.write(data)
+            items = load_eval_sets([local])
+            texts.extend(items)
+            sources.append({"uri": loc.uri, "sha256": hashlib.sha256(data).hexdigest(), "items": len(items)})
+    return EvalSets(texts, sources)
+
+
+@dataclass
+class EnrichSession:
+    """What `enrich_in_session` leaves behind: the result, and the final Spark DataFrame (persisted) for callers
+    that still hold the Spark session (the benchmark's from_spark hand-off)."""
+
+    result: EnrichResult
+    frame: Any
+
+
+def _materialize(step, rows_in: int, t0: float, prev_kept) -> tuple[Any, StepCounts]:
+    """Persist and count a step's outputs (running it once), unpersist what the step no longer needs."""
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    if step.shared is not None:
+        step.shared.persist(StorageLevel.MEMORY_AND_DISK)
+    kept = step.kept.persist(StorageLevel.MEMORY_AND_DISK)
+    rows_out = kept.count()
+    quarantined = step.quarantined.persist(StorageLevel.MEMORY_AND_DISK)
+    per_reason = {r["reason"]: int(r["count"]) for r in quarantined.groupBy("reason").agg(F.count("*").alias("count"))
+                  .collect()}
+    if step.shared is not None:
+        step.shared.unpersist()
+    if prev_kept is not None:
+        prev_kept.unpersist()
+    counts = StepCounts(step.name, rows_in, rows_out, per_reason, time.perf_counter() - t0)
+    log.info("enrich step %-15s %7d in -> %7d kept, %d quarantined %s (%.1fs)", step.name, rows_in, rows_out,
+             sum(per_reason.values()), per_reason or "", counts.seconds)
+    counts.check()
+    return kept, counts
+
+
+def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
+                      eval_sets: tuple[str, ...] | None = None) -> EnrichSession:
+    """The whole enrichment inside an open Spark session (spark.spark_session); see the module docstring.
+
+    ``eval_sets`` overrides ``job.enrich.eval_sets`` (the runner passes them resolved). Raises RaytrainError for
+    bad inputs, AssertionError when rows go missing (a bug).
+    """
+    from pyspark.sql import functions as F
+
+    from raytrain.enrich import steps
 
     t_start = time.perf_counter()
+    cfg = job.enrich
     files = list_input_files(input_root, job.data.splits)
-    rows_in = validate_inputs(files)
+    rows_per_split = validate_inputs(files)
+    if job.data.max_rows:
+        rows_per_split = {k: min(v, job.data.max_rows) for k, v in rows_per_split.items()}
+    rows_in = sum(rows_per_split.values())
+    evals = load_eval_texts(tuple(cfg.eval_sets if eval_sets is None else eval_sets), input_root,
+                            job.storage.s3_endpoint or None)
+    eval_index = build_eval_index(evals.texts, cfg.decontam_ngram)
     enriched = run_root.join("data", "enriched")
     quarantine = run_root.join("data", "quarantine")
-    log.info("enrich: %d rows in %d files (%s)", rows_in, sum(len(v) for v in files.values()),
-             ", ".join(f"{k}={len(v)}" for k, v in files.items()))
-    with spark_session(job.enrich, extra_configs=input_root.spark_conf | run_root.spark_conf) as spark:
-        from pyspark.sql import functions as F
+    log.info("enrich: %d rows in %d files (%s); %d eval items (%d %d-grams) from %d file(s)", rows_in,
+             sum(len(v) for v in files.values()), ", ".join(f"{k}={v}" for k, v in rows_per_split.items()),
+             len(evals.texts), len(eval_index), cfg.decontam_ngram, len(evals.sources))
 
-        df = spark.read.parquet(*[loc.spark_uri for locs in files.values() for loc in locs])
-        if job.data.max_rows:
-            df = df.limit(job.data.max_rows * len(files))
-        schema = ", ".join(f"{c} string" for c in DERIVED_COLUMNS)
-        max_chars = job.enrich.max_chars
-        derived = df.repartition(job.enrich.num_partitions).mapInPandas(
-            lambda it: _derive_partition(it, max_chars), schema=schema).cache()
-        ok = derived.filter(F.col("status") == OK).orderBy("uuid").drop("status", "detail")
-        bad = derived.filter(F.col("status") != OK).select("uuid", "category", F.col("status").alias("reason"),
-                                                          "detail")
-        ok.write.mode("overwrite").parquet(enriched.spark_uri)
-        bad.write.mode("overwrite").parquet(quarantine.spark_uri)
-        per_reason = {r["reason"]: r["count"] for r in bad.groupBy("reason").count().collect()}
-        rows_out = spark.read.parquet(enriched.spark_uri).count()
-    report = {
-        "rows_in": rows_in, "rows_out": rows_out, "quarantined": per_reason,
-        "quarantined_total": sum(per_reason.values()), "seconds": round(time.perf_counter() - t_start, 2),
-        "enriched_uri": enriched.uri, "quarantine_uri": quarantine.uri,
+    raw = steps.read_inputs(spark, {k: [loc.spark_uri for loc in v] for k, v in files.items()}, job.data.max_rows)
+    chain = [
+        lambda df: steps.derive(df, job),
+        lambda df: steps.license_filter(df, job),
+        steps.exact_dedup,
+        lambda df: steps.near_dedup(spark, df, job),
+        lambda df: steps.decontaminate(spark, df, eval_index, job),
+        lambda df: steps.select_context(df, job),
+        lambda df: steps.tokenize_check(df, job),
+    ]
+    df, prev, n, counts, quarantined = raw, None, rows_in, [], []
+    for make_step in chain:
+        t0 = time.perf_counter()
+        step = make_step(df)
+        df, c = _materialize(step, n, t0, prev)
+        prev, n = df, c.rows_out
+        counts.append(c)
+        quarantined.append(step.quarantined)
+
+    t0 = time.perf_counter()
+    out = steps.output_columns(df).orderBy("uuid")
+    out.write.mode("overwrite").parquet(enriched.spark_uri)
+    all_bad = quarantined[0]
+    for q in quarantined[1:]:
+        all_bad = all_bad.unionByName(q)
+    all_bad.orderBy("reason", "uuid").write.mode("overwrite").parquet(quarantine.spark_uri)
+
+    log.info("enrich: wrote %s and %s (%.1fs)", enriched.uri, quarantine.uri, time.perf_counter() - t0)
+    per_reason = merge_reasons(counts)
+    rows_out = n
+    enriched_files, enriched_rows = _footer_rows(enriched)
+    quarantine_files, quarantine_rows = _footer_rows(quarantine)
+    # Nothing dropped silently: checked on what was actually written, by reading the Parquet footers.
+    if not rows_in == enriched_rows + quarantine_rows == rows_out + sum(per_reason.values()):
+        raise AssertionError(f"enrich: {rows_in} rows in but {enriched_rows} written + {quarantine_rows} quarantined "
+                             f"(steps say {rows_out} + {sum(per_reason.values())}); rows went missing (a bug)")
+
+    contaminated = [{"uuid": r["uuid"], "split": r["split"], "detail": r["detail"]}
+                    for r in all_bad.filter(F.col("reason") == "contaminated").orderBy("uuid").collect()]
+    stats = steps.selection_stats(df)
+    config_hash = enrich_config_hash(job)
+    manifest_loc = enriched.join(MANIFEST)
+    report: dict[str, Any] = {
+        "run_uri": run_root.uri, "config_hash": config_hash,
+        "rows_in": rows_in, "rows_in_per_split": rows_per_split, "rows_out": rows_out,
+        "quarantined": per_reason, "quarantined_total": sum(per_reason.values()),
+        "steps": [c.to_dict() for c in counts], "dedup_ratio": dedup_ratio(counts),
+        "decontamination": {"count": len(contaminated), "ngram": cfg.decontam_ngram, "eval_sets": evals.sources,
+                            "eval_ngrams": len(eval_index), "rows": contaminated},
+        "similarity": {"question_weight": cfg.question_weight, "top_k": cfg.top_k, "min_score": cfg.min_score,
+                       **{k: stats[k] for k in ("all_sentences", "kept_sentences", "question", "answer",
+                                                "rows_with_candidates")}},
+        "tokenizer": job.dataset.tokenizer, "tokens": stats["tokens"],
+        "enriched_uri": enriched.uri, "quarantine_uri": quarantine.uri, "manifest_uri": manifest_loc.uri,
+        "summary_uri": run_root.join("reports", "enrich_summary.txt").uri,
     }
-    if rows_in != rows_out + report["quarantined_total"] and not job.data.max_rows:
-        raise RaytrainError(f"enrich: {rows_in} rows in but {rows_out} out + {report['quarantined_total']} "
-                            "quarantined; rows went missing (this is a bug, please report it)")
-    log.info("enrich: %d rows kept, %d quarantined %s", rows_out, report["quarantined_total"], per_reason)
-    return EnrichResult(enriched=enriched, quarantine=quarantine, report=report)
+    log.info("enrich: report statistics computed (%.1fs)", time.perf_counter() - t0)
+    report["seconds"] = round(time.perf_counter() - t_start, 2)
+    manifest = {
+        "config_hash": config_hash, "created_unix_s": round(time.time(), 3), "rows_in": rows_in,
+        "rows_in_per_split": rows_per_split,
+        "enriched": {"rows": enriched_rows, "files": enriched_files, "sorted_by": "uuid"},
+        "quarantine": {"uri": quarantine.uri, "rows": quarantine_rows, "files": quarantine_files,
+                       "per_reason": per_reason},
+        "eval_sets": evals.sources, "config": {k: job.to_dict()[k] for k in ("data", "enrich", "dataset")},
+    }
+    manifest_loc.write_atomic(json.dumps(manifest, indent=2, sort_keys=True))  # last: vouches for the files
+    summary = summary_text(report)
+    summary_loc = run_root.join("reports", "enrich_summary.txt")
+    summary_loc.parent.mkdirs()
+    summary_loc.write_atomic(summary)
+    log.info("enrich summary:\n%s", summary)
+    return EnrichSession(EnrichResult(enriched=enriched, quarantine=quarantine, report=report), df)
+
+
+def _footer_rows(loc: StorageLocation) -> tuple[list[str], int]:
+    """(sorted Parquet file names, total rows from their footers) of a flat folder."""
+    names = sorted(n for n in loc.listdir() if n.endswith(".parquet"))
+    rows = 0
+    for n in names:
+        with loc.filesystem.open_input_file(loc.join(n).path) as f:
+            rows += pq.ParquetFile(f).metadata.num_rows
+    return names, rows
+
+
+def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
+               eval_sets: tuple[str, ...] | None = None) -> EnrichResult:
+    """Start Spark on the running Ray cluster, enrich, stop Spark; returns where the outputs are and the report."""
+    from raytrain.enrich.spark import spark_session
+
+    # Fail on bad inputs in seconds, before a JVM starts.
+    validate_inputs(list_input_files(input_root, job.data.splits))
+    with spark_session(job.enrich, extra_configs=input_root.spark_conf | run_root.spark_conf) as spark:
+        return enrich_in_session(spark, job, input_root, run_root, eval_sets).result

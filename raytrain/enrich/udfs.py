@@ -1,0 +1,248 @@
+"""The per-batch bodies Spark runs in its Python workers (mapInPandas / applyInPandas), as plain pandas functions.
+
+No pyspark import: each function takes a ``pandas.DataFrame`` batch and returns one, so it is unit-tested without
+a JVM. The Spark wiring (schemas, joins, counts) lives in ``steps.py``; the row logic comes from the pure modules
+next to this one (conversation, dedup, decontam, relevance, sentences) and from raytrain.dataset.tokenize.
+
+Column contract of the working table (``WORK_COLUMNS``), one row per derived example:
+``row_id`` (int64, unique per input row), ``split``, ``uuid``, ``category``, ``license``, ``reasoning``,
+``context``, ``question``, ``answer``, ``system_text`` (the system prompt(s): the part of the context that
+selection may replace), ``text`` (every turn as text: what dedup and decontamination compare) and
+``messages_json`` (the normalized conversation as JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from raytrain.enrich.conversation import Example, build_training_messages, derive_example
+from raytrain.enrich.decontam import ngram_hashes
+from raytrain.enrich.dedup import exact_key, lsh_band_keys, minhash_signature
+from raytrain.enrich.sentences import split_sentences
+
+OK = "ok"
+WORK_COLUMNS = ("row_id", "split", "uuid", "category", "license", "reasoning", "context", "question", "answer",
+                "system_text", "text", "messages_json")
+# derive_batch's output: the working columns plus the verdict (status "ok" or a quarantine reason).
+DERIVED_COLUMNS = (*WORK_COLUMNS[:6], "status", "detail", *WORK_COLUMNS[6:])
+SELECTION_COLUMNS = ("context_sentences", "kept_indices", "kept_sentences", "sentence_scores", "question_scores",
+                     "answer_scores", "replaced_system_prompt")
+# Quarantine reasons added by the Spark steps (conversation.QUARANTINE_REASONS are the derive ones).
+LICENSE = "license"
+EXACT_DUPLICATE = "exact_duplicate"
+NEAR_DUPLICATE = "near_duplicate"
+CONTAMINATED = "contaminated"
+UNTOKENIZABLE = "untokenizable"
+
+
+# ---- derive ------------------------------------------------------------------------------------------------------
+def derive_batch(pdf: pd.DataFrame, max_chars: int) -> pd.DataFrame:
+    """Raw Nemotron rows (+ ``row_id``, ``split``) -> one DERIVED_COLUMNS row each; status "ok" or the reason.
+
+    Quarantined rows keep row_id/split/uuid/category and the reason's detail; their text columns are "".
+    """
+    out: list[dict[str, Any]] = []
+    for row in pdf.to_dict("records"):
+        # pandas writes a missing string as NaN; the quarantine detail should say None, as pyarrow rows do
+        row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+        result = derive_example(row, max_chars=max_chars)
+        base = {"row_id": int(row["row_id"]), "split": row["split"]}
+        if isinstance(result, Example):
+            system_text = "\n\n".join(m["content"] for m in result.messages if m["role"] == "system"
+                                      and m["content"].strip())
+            out.append({**base, "uuid": result.uuid, "category": result.category, "license": result.license,
+                        "reasoning": result.reasoning, "status": OK, "detail": "", "context": result.context,
+                        "question": result.question, "answer": result.answer, "system_text": system_text,
+                        "text": result.full_text(),
+                        "messages_json": json.dumps(list(result.messages), ensure_ascii=False)})
+        else:
+            category = row.get("category")
+            out.append({**base, "uuid": result.uuid, "category": category if isinstance(category, str) else "",
+                        "license": "", "reasoning": "", "status": result.reason, "detail": result.detail,
+                        **{c: "" for c in DERIVED_COLUMNS[8:]}})
+    return pd.DataFrame(out, columns=list(DERIVED_COLUMNS))
+
+
+def example_from_row(row: dict[str, Any]) -> Example:
+    """The Example a working-table row was derived from (messages parsed back from messages_json)."""
+    return Example(uuid=row["uuid"], category=row["category"], license=row["license"], reasoning=row["reasoning"],
+                   context=row["context"], question=row["question"], answer=row["answer"],
+                   messages=tuple(json.loads(row["messages_json"])))
+
+
+# ---- exact and near duplicates -----------------------------------------------------------------------------------
+def exact_keys(texts: pd.Series) -> pd.Series:
+    """dedup.exact_key of each text (sha1 of the normalized text), for a Spark pandas UDF."""
+    return texts.map(exact_key)
+
+
+def minhash_batch(pdf: pd.DataFrame, num_perm: int, bands: int, rows: int, ngram: int = 5) -> pd.DataFrame:
+    """(row_id, uuid, text) -> (row_id, uuid, signature: bytes of (num_perm,) uint32, band_keys: list of int64)."""
+    sigs = np.stack([minhash_signature(t, num_perm=num_perm, ngram=ngram) for t in pdf["text"]]) if len(pdf) \
+        else np.zeros((0, num_perm), dtype=np.uint32)  # (N, P)
+    keys = lsh_band_keys(sigs, bands, rows) if len(pdf) else np.zeros((0, bands), dtype=np.int64)  # (N, B)
+    return pd.DataFrame({"row_id": pdf["row_id"].astype("int64").to_numpy(), "uuid": pdf["uuid"].to_numpy(),
+                         "signature": [s.tobytes() for s in sigs], "band_keys": [k.tolist() for k in keys]})
+
+
+PAIR_COLUMNS = ("a_row_id", "a_uuid", "b_row_id", "b_uuid", "jaccard")
+
+
+def verify_bucket(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
+    """One LSH bucket (row_id, uuid, signature) -> its verified pairs (PAIR_COLUMNS), a ordered before b by
+    (uuid, row_id), with estimated Jaccard >= threshold. Blocks of rows keep a huge bucket within ~4M booleans."""
+    pdf = pdf.sort_values(["uuid", "row_id"], kind="stable").reset_index(drop=True)
+    sigs = np.stack([np.frombuffer(s, dtype=np.uint32) for s in pdf["signature"]]) if len(pdf) \
+        else np.zeros((0, 1), dtype=np.uint32)  # (M, P)
+    out: list[tuple] = []
+    block = max(1, (1 << 22) // max(1, len(pdf) * sigs.shape[1]))
+    for start in range(0, len(pdf), block):
+        sim = (sigs[start : start + block, None, :] == sigs[None, :, :]).mean(axis=2)  # (b, M)
+        for a, b in zip(*np.nonzero(sim >= threshold), strict=True):
+            i, j = start + int(a), int(b)
+            if i < j:
+                out.append((int(pdf.at[i, "row_id"]), pdf.at[i, "uuid"], int(pdf.at[j, "row_id"]), pdf.at[j, "uuid"],
+                            float(sim[a, b])))
+    return pd.DataFrame(out, columns=list(PAIR_COLUMNS))
+
+
+@dataclass(frozen=True)
+class DuplicateOf:
+    """Why a row is dropped as a near-duplicate."""
+
+    kept: tuple[str, int]
+    """(uuid, row_id) of the row its cluster keeps: the smallest member."""
+    neighbor: tuple[str, int]
+    """The verified partner with the highest estimated Jaccard (the link that put it in the cluster)."""
+    jaccard: float
+    """Estimated Jaccard with ``neighbor``."""
+
+
+def near_duplicate_drops(pairs: Iterable[tuple[tuple[str, int], tuple[str, int], float]]) -> dict[tuple, DuplicateOf]:
+    """Verified near-duplicate pairs -> {member: DuplicateOf} for every cluster member except the smallest.
+
+    Clusters are connected components of the pairs (transitive: a~b and b~c put a, b, c together even when a and
+    c differ more), the same rule as dedup.near_duplicate_groups. Ids are (uuid, row_id) tuples.
+    """
+    parent: dict[tuple, tuple] = {}
+    best: dict[tuple, tuple[tuple, float]] = {}
+
+    def find(x: tuple) -> tuple:
+        root = x
+        while parent.setdefault(root, root) != root:
+            root = parent[root]
+        while parent[x] != root:  # path compression
+            parent[x], x = root, parent[x]
+        return root
+
+    for a, b, jaccard in pairs:
+        for x, y in ((a, b), (b, a)):
+            if x not in best or jaccard > best[x][1] or (jaccard == best[x][1] and y < best[x][0]):
+                best[x] = (y, jaccard)
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)  # the smallest id is always its cluster's root
+    return {x: DuplicateOf(kept=find(x), neighbor=best[x][0], jaccard=best[x][1]) for x in parent if find(x) != x}
+
+
+# ---- decontamination ---------------------------------------------------------------------------------------------
+def build_sorted_index(hashes: Iterable[int]) -> np.ndarray:
+    """An eval n-gram hash set as a sorted (K,) uint64 array: ~8 bytes per n-gram to broadcast, vectorized lookups."""
+    return np.unique(np.fromiter(hashes, dtype=np.uint64))
+
+
+def contamination_counts(texts: Iterable[str], sorted_index: np.ndarray, n: int) -> list[int]:
+    """Per text, how many of its distinct n-grams are in the eval index (decontam.contaminated's count)."""
+    if sorted_index.size == 0:
+        return [0 for _ in texts]
+    return [int(np.isin(ngram_hashes(t, n), sorted_index, assume_unique=True).sum()) for t in texts]
+
+
+# ---- relevance selection -----------------------------------------------------------------------------------------
+def _configure_threads(num_threads: int) -> None:
+    # A Spark Python worker should use its executor's cores, not every core of the machine (oversubscription).
+    import torch
+
+    if torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
+
+
+def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: int, min_score: float,
+                 question_weight: float, num_threads: int = 0) -> pd.DataFrame:
+    """Working rows -> the same rows with SELECTION_COLUMNS added and ``messages_json`` rebuilt.
+
+    Candidates are the sentences of the system prompt (``system_text``): that is the context the selection can
+    trim. They are scored against the question and the answer (one ``encode`` call per batch, model loaded once
+    per process) and the kept ones replace the system prompt in their original order, so no sentence appears
+    twice. Earlier user/assistant turns are never candidates: they stay whole in the conversation (their
+    assistant turns are training targets), so copying their sentences into the prompt would only repeat them.
+    Rows without a system prompt have no candidates and keep their messages unchanged.
+    """
+    from raytrain.enrich.relevance import load_embedder, score_batch
+
+    if num_threads:
+        _configure_threads(num_threads)
+    records = pdf.to_dict("records")
+    contexts = [split_sentences(r["system_text"]) for r in records]
+    selections = score_batch(contexts, [r["question"] for r in records], [r["answer"] for r in records],
+                             load_embedder(model_path or None), batch_size=batch_size, top_k=top_k,
+                             threshold=min_score, question_weight=question_weight) if records else []
+    out = pdf.copy()
+    messages, kept_sentences = [], []
+    for r, sents, sel in zip(records, contexts, selections, strict=True):
+        kept = sel.kept(sents)
+        kept_sentences.append(kept)
+        replace = bool(sents)  # the context came from the system prompt: the kept sentences stand in for it
+        messages.append(json.dumps(build_training_messages(example_from_row(r), kept, replace_system_prompt=replace),
+                                   ensure_ascii=False))
+    out["context_sentences"] = contexts
+    out["kept_indices"] = [list(s.kept_indices) for s in selections]
+    out["kept_sentences"] = kept_sentences
+    out["sentence_scores"] = [s.scores.tolist() for s in selections]
+    out["question_scores"] = [s.q_scores.tolist() for s in selections]
+    out["answer_scores"] = [s.a_scores.tolist() for s in selections]
+    out["replaced_system_prompt"] = [bool(c) for c in contexts]
+    out["messages_json"] = messages
+    return out
+
+
+# ---- tokenization check ------------------------------------------------------------------------------------------
+def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str) -> pd.DataFrame:
+    """Rows -> the same rows plus ``num_tokens`` (int64, -1 when refused), ``status`` ("ok" or "untokenizable")
+    and ``detail`` (mistral-common's reason), tokenizing ``messages_json`` exactly as the pack stage will."""
+    from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
+    from raytrain.errors import RaytrainError
+
+    tokenizer = load_tokenizer(tokenizer_version)
+    num_tokens, status, detail = [], [], []
+    for messages_json in pdf["messages_json"]:
+        try:
+            tokenized = tokenize_conversation(json.loads(messages_json), tokenizer, verify=False)
+        except (RaytrainError, ValueError) as e:  # ValueError: pydantic's ValidationError, bad JSON
+            num_tokens.append(-1)
+            status.append(UNTOKENIZABLE)
+            detail.append(str(e)[:500])
+            continue
+        num_tokens.append(tokenized.num_tokens)
+        status.append(OK)
+        detail.append("")
+    out = pdf.copy()
+    out["num_tokens"] = np.asarray(num_tokens, dtype=np.int64)
+    out["status"] = status
+    out["detail"] = detail
+    return out
+
+
+def map_batches(fn, **kwargs):
+    """A mapInPandas body applying ``fn(batch, **kwargs)`` to each Arrow batch of a partition."""
+    def body(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        for pdf in batches:
+            yield fn(pdf, **kwargs)
+    return body

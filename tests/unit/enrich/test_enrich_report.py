@@ -1,0 +1,54 @@
+"""Bookkeeping of the enrichment (raytrain.enrich.report): hashes, per-step accounting, the text summary."""
+
+import pytest
+
+from raytrain.config import load_job_config
+from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, merge_reasons, summary_text
+from raytrain.runner import Run
+from raytrain.storage import resolve
+
+
+def test_config_hash_is_the_runners_data_hash():
+    job = load_job_config(None, [])
+    run = Run(job, resolve("/tmp/x"))
+    assert enrich_config_hash(job) == run.data_hash
+    assert enrich_config_hash(load_job_config(None, ["enrich.top_k=5"])) != run.data_hash
+    assert enrich_config_hash(load_job_config(None, ["train.lr=0.1"])) == run.data_hash  # training is not data
+
+
+def test_step_counts_must_account_for_every_row():
+    StepCounts("derive", 10, 7, {"bad_role": 3}).check()
+    with pytest.raises(AssertionError, match="1 rows unaccounted"):
+        StepCounts("derive", 10, 7, {"bad_role": 2}).check()
+
+
+def _report():
+    steps = [StepCounts("derive", 100, 90, {"bad_role": 10}), StepCounts("exact_dedup", 90, 80, {"exact_duplicate": 10}),
+             StepCounts("near_dedup", 80, 71, {"near_duplicate": 9}),
+             StepCounts("tokenize_check", 71, 70, {"untokenizable": 1})]
+    dist = {"count": 3, "min": 0.1, "p50": 0.2, "p90": 0.3, "max": 0.4}
+    return steps, {
+        "run_uri": "file:///r", "config_hash": "abc", "seconds": 1.0, "rows_in": 100, "rows_in_per_split": {"chat": 100},
+        "rows_out": 70, "quarantined": merge_reasons(steps), "quarantined_total": 30,
+        "steps": [s.to_dict() for s in steps], "dedup_ratio": dedup_ratio(steps),
+        "decontamination": {"count": 0, "ngram": 13, "eval_sets": [], "eval_ngrams": 0, "rows": []},
+        "similarity": {"question_weight": 0.5, "all_sentences": dist, "kept_sentences": {"count": 0},
+                       "rows_with_candidates": 50},
+        "tokenizer": "v3", "tokens": {"count": 2, "min": 5, "p50": 6.0, "p90": 7.0, "max": 8, "sum": 13},
+        "enriched_uri": "e", "quarantine_uri": "q", "manifest_uri": "m",
+    }
+
+
+def test_merge_reasons_and_dedup_ratio():
+    steps, report = _report()
+    assert report["quarantined"] == {"bad_role": 10, "exact_duplicate": 10, "near_duplicate": 9, "untokenizable": 1}
+    assert report["dedup_ratio"] == pytest.approx(19 / 90, abs=1e-6)
+    assert dedup_ratio(steps[:1]) == 0.0
+
+
+def test_summary_text_lists_steps_reasons_and_distributions():
+    _, report = _report()
+    text = summary_text(report)
+    for needle in ("derive", "exact_dedup", "near_dedup", "untokenizable 1", "21.11%", "p90 0.300", "kept 70",
+                   "max 8"):
+        assert needle in text, needle
