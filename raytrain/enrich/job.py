@@ -46,6 +46,7 @@ from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, 
 from raytrain.enrich.schema import validate_schema
 from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation, resolve
+from raytrain.telemetry import record_enrich_step, record_quarantine
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         df, c = _materialize(step, n, t0, prev)
         prev, n = df, c.rows_out
         counts.append(c)
+        record_enrich_step(job.storage.run_name, c.step, c.rows_in, c.seconds)  # dashboard: rows/s per step
         quarantined.append(step.quarantined)
 
     t0 = time.perf_counter()
@@ -214,6 +216,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
 
     log.info("enrich: wrote %s and %s (%.1fs)", enriched.uri, quarantine.uri, time.perf_counter() - t0)
     per_reason = merge_reasons(counts)
+    record_quarantine(job.storage.run_name, per_reason)
     rows_out = n
     enriched_files, enriched_rows = _footer_rows(enriched)
     quarantine_files, quarantine_rows = _footer_rows(quarantine)
