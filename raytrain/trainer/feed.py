@@ -37,7 +37,8 @@ def to_micro_batch(batch: dict[str, np.ndarray]) -> MicroBatch:
         arr = np.asarray(batch[name])
         if arr.dtype == object:  # Parquet list columns come back as arrays of arrays
             arr = np.stack(arr)
-        return torch.from_numpy(arr.astype(np.int64, copy=False))
+        # copy: Arrow-backed arrays are read-only, and torch tensors must own writable memory
+        return torch.from_numpy(np.array(arr, dtype=np.int64, copy=True))
 
     ids, pos, seg, labels = (col(c) for c in MODEL_COLUMNS)  # each (B, T)
     return (ids, pos, seg), labels
