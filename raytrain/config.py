@@ -357,7 +357,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r}: empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: e.g. an integer of thousands of digits
         value = raw
     return key, value
 
@@ -372,6 +372,8 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    except (ValueError, RecursionError) as e:  # huge integers, absurdly deep nesting
+        raise ConfigError(f"{path}: YAML value out of range: {str(e)[:200]}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -188,7 +188,8 @@ def _check_roles(raw: list) -> None:
     for i, m in enumerate(raw):
         if not isinstance(m, Mapping):
             raise _Reject(BAD_ROLE, f"messages[{i}] is a {type(m).__name__}, not a {{role, content}} mapping")
-        if m.get("role") not in ROLES:
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
             raise _Reject(BAD_ROLE, f"messages[{i}].role is {m.get('role')!r}; expected one of {list(ROLES)}")
 
 
@@ -235,6 +236,13 @@ def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS
     uuid = row.get("uuid")
     if _is_missing(uuid) or not isinstance(uuid, str) or not uuid.strip():
         return Quarantined(None, MISSING_UUID, f"uuid is {uuid!r}")
+    if _BAD_TEXT.search(uuid):  # an id that cannot be written as UTF-8 cannot be recorded either: keep it escaped
+        return Quarantined(uuid.encode("utf-8", "backslashreplace").decode("ascii", "replace"), UNDECODABLE_TEXT,
+                           "uuid holds surrogate or control characters")
+    for name in ("category", "license", "reasoning"):
+        value = row.get(name)
+        if isinstance(value, str) and _BAD_TEXT.search(value):
+            return Quarantined(uuid, UNDECODABLE_TEXT, f"{name} holds surrogate or control characters")
     raw = _as_list(row.get("messages"))
     if not raw:
         return Quarantined(uuid, MISSING_MESSAGES, f"messages is {_short_repr(row.get('messages'))}")

@@ -95,6 +95,9 @@ def _check_type(actual: pa.DataType, expected: pa.DataType, column: str, path: s
                         f"{_describe(want.type)}. Fix: write the file with the Nemotron v1 schema "
                         "(raytrain.enrich.schema.NEMOTRON_V1_SCHEMA)."
                     )
+                if names.count(want.name) > 1:
+                    raise RaytrainError(f"{path}: column {column}.{want.name} appears more than once in the struct. "
+                                        "Fix: rewrite the file with the Nemotron v1 schema.")
                 _check_type(actual.field(want.name).type, want.type, f"{column}.{want.name}", path)
             return
     else:  # pragma: no cover - the schema above only uses string, list and struct
