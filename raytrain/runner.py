@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # Environment every Ray worker needs: no hub downloads, and Ray 2.60's token-auth warning off for local clusters.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
+                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "RAYTRAIN_USER")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,11 @@ def connect_ray(job: JobConfig) -> bool:
     # the same env var: add only the variables the job did not set.
     job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
     job_env = (job_config.get("runtime_env") or {}).get("env_vars") or {}
-    runtime_env = {"env_vars": {k: v for k, v in WORKER_ENV.items() if k not in job_env}}
+    worker_env = dict(WORKER_ENV)
+    # Workers on other nodes do not inherit this process's environment: forward the S3 settings it was given
+    # (without them a storage.root of s3://... works on the driver and fails in the trainer workers).
+    worker_env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})
+    runtime_env = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
     if address:
         log.info("joining Ray cluster at %s", address)
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
