@@ -201,7 +201,7 @@ def _enriched_rows(run) -> int:
 
 
 @pytest.mark.skip(reason="not yet reliable: it passed once (236 rows enriched after the executor kill, same as "
-                  "undisturbed) but hung in 3 other full runs on the development machine (the second enrichment after "
+                  "undisturbed) but hung in at least 2 other full runs on the development machine (the second enrichment after "
                   "the kill never finished; cause not yet diagnosed); issue 6 stays open for it")
 def test_killed_spark_executor_enrichment_completes_with_same_rows(runs_root):
     """First in the module on purpose: run after the training tests in the same Ray, the second enrichment hung
