@@ -19,20 +19,20 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
+from loopback_s3 import AWS_VARS, loopback_s3
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
 from raytrain.runner import WORKER_ENV, open_run, run_train
 from raytrain.storage import resolve
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 BUCKET = "raytrain-it"
 MAX_STEPS = 6
 CHECKPOINT_EVERY = 2
 FIRST_LAUNCH_STOP = 4
-AWS_VARS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def synthetic_conversations(n: int, seed: int = 1) -> pa.Table:
@@ -52,20 +52,9 @@ def synthetic_conversations(n: int, seed: int = 1) -> pa.Table:
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """A loopback S3 server and dummy credentials for this module (restored afterwards)."""
-    saved = {k: os.environ.get(k) for k in AWS_VARS}
-    os.environ.update(AWS_VARS)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with loopback_s3() as endpoint:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        yield endpoint
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
+from loopback_s3 import loopback_s3
 
 from raytrain.config import load_job_config
 from raytrain.storage import StorageLocation, resolve
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 BUCKET = "raytrain-forms"
-AWS_VARS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 TABLE = pa.table({"uuid": [f"id-{i:03d}" for i in range(40)], "value": list(range(40))})
 FORMS = ("posix", "file_uri", "s3")
 
@@ -39,20 +39,9 @@ def _has_s3a_jars() -> bool:
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    saved = {k: os.environ.get(k) for k in AWS_VARS}
-    os.environ.update(AWS_VARS)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with loopback_s3() as endpoint:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        yield endpoint
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+from loopback_s3 import loopback_s3
 
 from raytrain.checkpoint import store as store_module
 from raytrain.checkpoint.store import CheckpointStore
@@ -12,24 +13,14 @@ from raytrain.errors import RaytrainError
 from raytrain.runlock import RunLock
 from raytrain.storage import resolve, run_root
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 
 @pytest.fixture(scope="module")
 def endpoint():
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with loopback_s3() as url:
+        yield url
 
 
 @pytest.fixture
