@@ -29,7 +29,7 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     """The same steps in one process with pandas-free plain Python + sentence-transformers: returns counts."""
     import json as _json
 
-    from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
+    from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
     from raytrain.enrich.conversation import Example, build_training_messages, derive_example
     from raytrain.enrich.decontam import build_eval_index, contaminated
     from raytrain.enrich.dedup import exact_key, minhash_signatures, near_duplicate_clusters
@@ -66,7 +66,9 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
         for e, sents, sel in zip(batch, contexts, sels, strict=True):
             messages = build_training_messages(e, sel.kept(sents), replace_system_prompt=bool(sents))
             try:
-                tokenize_conversation(_json.loads(_json.dumps(messages)), tokenizer, verify=False)
+                fitted = fit_tool_call_turns(_json.loads(_json.dumps(messages)), job.dataset.tokenizer,
+                                             job.dataset.text_with_tool_calls)
+                tokenize_conversation(fitted.messages, tokenizer, verify=False)
                 kept += 1
             except (RaytrainError, ValueError):
                 pass

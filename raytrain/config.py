@@ -127,9 +127,14 @@ class DatasetConfig:
     """mistral-common tokenizer: 'v1' (Mistral-7B-v0.1, vocab 32000) or 'v3' (Instruct-v0.3, vocab 32768)."""
     seq_len: int = 128
     """Tokens per packed training sequence."""
+    text_with_tool_calls: str = "drop_text"
+    """v3 only (v1 keeps both): an assistant turn with text (e.g. a <think> trace) and tool calls cannot be encoded;
+    'drop_text' keeps the calls and drops the text (counted in the enrich report), 'quarantine' quarantines the row."""
 
     def __post_init__(self) -> None:
         _require(self.tokenizer in ("v1", "v3"), "dataset.tokenizer", f"{self.tokenizer!r}: choose 'v1' or 'v3'")
+        _require(self.text_with_tool_calls in ("drop_text", "quarantine"), "dataset.text_with_tool_calls",
+                 f"{self.text_with_tool_calls!r}: choose 'drop_text' or 'quarantine'")
         _require(self.seq_len >= 8, "dataset.seq_len", "must be >= 8")
 
 

@@ -26,6 +26,9 @@ Tokenizer versions (files shipped in ``mistral_common/data/``, no network):
     ``[TOOL_CALLS]`` / ``[TOOL_RESULTS]`` control tokens. v3 requires tool-call ids matching
     ``^[a-zA-Z0-9]{9}$``: other ids (e.g. ``call_abc123...``) and missing ids are mapped to the first nine
     hex digits of their SHA-1, the same mapping on the call and on its result, so pairs stay paired.
+    v3 cannot hold text and tool calls in one assistant turn, and mistral-common merges consecutive assistant
+    turns back into one, so such a turn cannot be split either: ``fit_tool_call_turns`` drops the text (policy
+    "drop_text", counted) or leaves the turn for the caller to quarantine (policy "quarantine").
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ TOKENIZER_FILES: dict[str, str] = {
 ROLES = ("system", "user", "assistant", "tool")
 _V3_CALL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+TEXT_WITH_TOOL_CALLS_POLICIES = ("drop_text", "quarantine")
+"""What to do, for v3, with an assistant turn that has both text and tool calls (see fit_tool_call_turns)."""
 
 
 @dataclass(frozen=True)
@@ -117,12 +122,49 @@ def _load_tokenizer(version: str) -> MistralTokenizer:
         ) from exc
 
 
+@dataclass(frozen=True)
+class FittedConversation:
+    """A conversation made encodable for one tokenizer version, and what was changed to get there."""
+
+    messages: list[dict[str, Any]]
+    dropped_text_turns: int
+    """Assistant turns whose text was dropped because they also carry tool calls (v3, policy "drop_text")."""
+    dropped_text_chars: int
+
+
+def fit_tool_call_turns(messages: Sequence[dict[str, Any]], version: str, policy: str = "drop_text"
+                        ) -> FittedConversation:
+    """Make assistant turns with both text and tool calls encodable by tokenizer ``version`` ("v1" | "v3").
+
+    v1 renders tool calls as text, so text and calls stay together: the messages come back unchanged. v3 allows
+    one or the other per assistant turn: with ``policy`` "drop_text" the text of such a turn is dropped (the calls
+    stay trainable) and counted; with "quarantine" the messages come back unchanged and ``tokenize_conversation``
+    refuses them, so the caller quarantines the row. Messages are not modified in place.
+    """
+    if policy not in TEXT_WITH_TOOL_CALLS_POLICIES:
+        raise RaytrainError(f"text_with_tool_calls policy {policy!r}: choose one of "
+                            f"{list(TEXT_WITH_TOOL_CALLS_POLICIES)}.")
+    if version != "v3" or policy == "quarantine":
+        return FittedConversation(list(messages), 0, 0)
+    fitted, turns, chars = [], 0, 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if (isinstance(message, dict) and message.get("role") == "assistant" and message.get("tool_calls")
+                and isinstance(content, str) and content.strip()):
+            message = {**message, "content": ""}
+            turns, chars = turns + 1, chars + len(content)
+        fitted.append(message)
+    return FittedConversation(fitted, turns, chars)
+
+
 def _where(index: int, role: object) -> str:
     return f"message {index} (role {role!r})"
 
 
-def _check_conversation(messages: Sequence[dict[str, Any]]) -> None:
-    """Reject malformed conversations with a message naming the offending message index and role."""
+def _check_conversation(messages: Sequence[dict[str, Any]], text_tools: bool = False) -> None:
+    """Reject malformed conversations with a message naming the offending message index and role.
+
+    ``text_tools``: tool calls are rendered as text (v1), so an assistant turn may carry text and calls."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or len(messages) == 0:
         raise RaytrainError("conversation must be a non-empty list of message dicts.")
     for index, message in enumerate(messages):
@@ -141,10 +183,11 @@ def _check_conversation(messages: Sequence[dict[str, Any]]) -> None:
             raise RaytrainError(f"{_where(index, role)}: only assistant messages may carry tool_calls.")
         if role == "assistant":
             has_text = bool(content and content.strip())
-            if tool_calls and has_text:
+            if tool_calls and has_text and not text_tools:
                 raise RaytrainError(
-                    f"{_where(index, role)}: has both text content and tool_calls; Mistral formats allow one "
-                    "or the other. Fix: move the text into its own assistant message or drop it upstream."
+                    f"{_where(index, role)}: has both text content and tool_calls; the v3 format allows one "
+                    "or the other. Fix: dataset.text_with_tool_calls=drop_text (fit_tool_call_turns), or drop "
+                    "the text upstream."
                 )
             if not tool_calls and not has_text:
                 raise RaytrainError(f"{_where(index, role)}: assistant message has neither content nor tool_calls.")
@@ -220,9 +263,9 @@ def _to_mistral_messages(messages: Sequence[dict[str, Any]], version: TokenizerV
                         {"name": c.function.name, "arguments": _json_or_text(c.function.arguments), "id": c.id}
                         for c in calls
                     ]
-                    converted.append(
-                        AssistantMessage(content="[TOOL_CALLS] " + json.dumps(payload, ensure_ascii=False))
-                    )
+                    calls_text = "[TOOL_CALLS] " + json.dumps(payload, ensure_ascii=False)
+                    text = content.strip()
+                    converted.append(AssistantMessage(content=f"{text}\n\n{calls_text}" if text else calls_text))
                 else:
                     converted.append(AssistantMessage(tool_calls=calls))
             elif role == "assistant":
@@ -255,10 +298,9 @@ def _to_mistral_messages(messages: Sequence[dict[str, Any]], version: TokenizerV
 
 def to_chat_request(messages: Sequence[dict[str, Any]], tokenizer: MistralTokenizer) -> ChatCompletionRequest:
     """Check a Nemotron-shaped conversation and convert it to a mistral-common ``ChatCompletionRequest``."""
-    _check_conversation(messages)
-    return ChatCompletionRequest(
-        messages=_to_mistral_messages(messages, tokenizer.instruct_tokenizer.tokenizer.version)
-    )
+    version = tokenizer.instruct_tokenizer.tokenizer.version
+    _check_conversation(messages, text_tools=version == TokenizerVersion.v1)
+    return ChatCompletionRequest(messages=_to_mistral_messages(messages, version))
 
 
 def tokenize_conversation(

@@ -100,6 +100,10 @@ def summary_text(report: dict[str, Any]) -> str:
               f"  kept sentences           {_fmt_dist(sim['kept_sentences'])}",
               f"  rows with a system prompt to select from: {sim['rows_with_candidates']} of {report['rows_out']}",
               f"tokens per row ({report['tokenizer']}): {_fmt_dist(report['tokens'], 0)}"]
+    twt = report.get("text_with_tool_calls")
+    if twt:
+        lines.append(f"assistant turns with text and tool calls ({report['tokenizer']}, policy {twt['policy']}): "
+                     f"text dropped in {twt['turns_text_dropped']} turns of {twt['rows']} kept rows")
     lines += ["", f"enriched   {report['enriched_uri']}", f"quarantine {report['quarantine_uri']}",
               f"manifest   {report['manifest_uri']}"]
     return "\n".join(lines) + "\n"

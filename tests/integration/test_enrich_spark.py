@@ -45,31 +45,47 @@ def _reasons(out) -> dict:
     return counts
 
 
-def _expected_untokenizable(out) -> set:
-    """Rows Mistral's format refuses (an assistant turn with both text and tool calls), found in the raw input,
-    among the rows that reach the tokenization check: not planted for an earlier quarantine reason, and not the
-    dropped (larger-uuid) member of a planted duplicate pair."""
+def _mixed_turns(out) -> dict:
+    """uuid -> number of assistant turns with both text and tool calls (v3 cannot hold both), found in the raw
+    input, for the rows that reach the tokenization check: not planted for an earlier quarantine reason, and not
+    the dropped (larger-uuid) member of a planted duplicate pair."""
     p = out.planted
     earlier = {r["uuid"] for kind in ("quarantine", "disallowed_license", "contaminated") for r in p[kind]}
     earlier |= {max(r["uuid"], r["duplicate_of"]) for kind in ("exact_duplicates", "near_duplicates") for r in p[kind]}
-    bad = {row["uuid"] for row in out.raw for m in row["messages"] or []
-           if m["role"] == "assistant" and (m["content"] or "").strip() and m["tool_calls"]}
-    return bad - earlier
+    mixed = {row["uuid"]: sum(1 for m in row["messages"] or []
+                              if m["role"] == "assistant" and (m["content"] or "").strip() and m["tool_calls"])
+             for row in out.raw}
+    return {u: n for u, n in mixed.items() if n and u not in earlier}
 
 
 def test_quarantine_counts_match_planted(out):
     p = out.planted
     expected = dict(p["quarantine_counts"])
     expected.update({"license": len(p["disallowed_license"]), "exact_duplicate": len(p["exact_duplicates"]),
-                     "near_duplicate": len(p["near_duplicates"]), "contaminated": len(p["contaminated"]),
-                     "untokenizable": len(_expected_untokenizable(out))})
+                     "near_duplicate": len(p["near_duplicates"]), "contaminated": len(p["contaminated"])})
     assert _reasons(out) == expected
     assert out.report["quarantined"] == expected
     for r in p["quarantine"]:
         if r["uuid"]:
             assert {q["reason"] for q in out.quarantine if q["uuid"] == r["uuid"]} == {r["reason"]}
     assert {q["uuid"] for q in out.quarantine if q["reason"] == "license"} == {r["uuid"] for r in p["disallowed_license"]}
-    assert {q["uuid"] for q in out.quarantine if q["reason"] == "untokenizable"} == _expected_untokenizable(out)
+    assert not [q for q in out.quarantine if q["reason"] == "untokenizable"]
+
+
+def test_text_with_tool_calls_kept_with_text_dropped_and_counted(out):
+    """dataset.text_with_tool_calls=drop_text (default): rows whose assistant turn has a <think> trace and a tool
+    call are kept (not quarantined), the trace dropped from that turn only, and counted per row and in the report."""
+    mixed = _mixed_turns(out)
+    assert mixed, "the sample data plants tool calls after <think> traces"
+    by_uuid = {r["uuid"]: r for r in out.enriched}
+    assert set(mixed) <= set(by_uuid)
+    assert {u: r["dropped_text_turns"] for u, r in by_uuid.items() if r["dropped_text_turns"]} == mixed
+    for u in mixed:
+        trained = json.loads(by_uuid[u]["messages_json"])
+        assert not [m for m in trained if m["role"] == "assistant" and m["content"].strip() and m["tool_calls"]]
+        assert any(m["tool_calls"] for m in trained)
+    assert out.report["text_with_tool_calls"] == {"policy": "drop_text", "rows": len(mixed),
+                                                  "turns_text_dropped": sum(mixed.values())}
 
 
 @pytest.mark.parametrize("kind,reason", [("exact_duplicates", "exact_duplicate"), ("near_duplicates", "near_duplicate")])

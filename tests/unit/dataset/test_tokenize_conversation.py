@@ -11,7 +11,7 @@ from mistral_common.protocol.instruct.tool_calls import FunctionCall, ToolCall
 from mistral_common.protocol.instruct.validator import ValidationMode
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
-from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
+from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
 
 FILES = {"v1": "tokenizer.model.v1", "v3": "mistral_instruct_tokenizer_240323.model.v3"}
@@ -220,3 +220,63 @@ def test_v1_renders_tool_turns_as_text():
 def test_invalid_conversations_name_the_message(conversation, pattern):
     with pytest.raises(RaytrainError, match=pattern):
         tokenize_conversation(conversation, load_tokenizer("v3"))
+
+
+def think_then_call_conversation(call_id: str) -> list[dict]:
+    """An assistant turn with a <think> trace *and* a tool call, as Nemotron's tool_calling rows with reasoning on."""
+    call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    return [
+        msg("user", "Weather in Paris?"),
+        msg("assistant", "<think>\nThe user wants the weather; get_weather fits.\n</think>", [call]),
+        msg("tool", '{"temp_c": 21}'),
+        msg("assistant", "It is 21 C in Paris."),
+    ]
+
+
+def test_v3_text_with_tool_calls_refused_unless_fitted():
+    tokenizer = load_tokenizer("v3")
+    conversation = think_then_call_conversation("abcDEF123")
+    with pytest.raises(RaytrainError, match=r"message 1 \(role 'assistant'\).*text_with_tool_calls"):
+        tokenize_conversation(conversation, tokenizer)
+    unchanged = fit_tool_call_turns(conversation, "v3", "quarantine")
+    assert unchanged.messages == conversation and unchanged.dropped_text_turns == 0
+
+    fitted = fit_tool_call_turns(conversation, "v3", "drop_text")
+    assert (fitted.dropped_text_turns, fitted.dropped_text_chars) == (1, len(conversation[1]["content"]))
+    assert conversation[1]["content"].startswith("<think>")  # the input is not modified
+    expected = reference_ids("v3", [
+        UserMessage(content="Weather in Paris?"),
+        AssistantMessage(tool_calls=[ToolCall(id="abcDEF123",
+                                              function=FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))]),
+        ToolMessage(content='{"temp_c": 21}', tool_call_id="abcDEF123"),
+        AssistantMessage(content="It is 21 C in Paris."),
+    ])
+    tokenized = tokenize_conversation(fitted.messages, tokenizer)
+    assert tokenized.input_ids == expected
+    call_span, answer_span = masked_spans(tokenized)
+    assert call_span[0] == tokenizer.instruct_tokenizer.tokenizer.get_special_token("[TOOL_CALLS]")
+    assert tokenizer.decode(answer_span) == "It is 21 C in Paris."
+
+
+def test_v1_keeps_text_and_tool_calls_in_one_trainable_turn():
+    tokenizer = load_tokenizer("v1")
+    conversation = think_then_call_conversation("abcDEF123")
+    assert fit_tool_call_turns(conversation, "v1", "drop_text").messages == conversation  # nothing to drop on v1
+    payload = [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]
+    expected = reference_ids("v1", [
+        UserMessage(content="Weather in Paris?"),
+        AssistantMessage(content=conversation[1]["content"] + "\n\n[TOOL_CALLS] " + json.dumps(payload)),
+        UserMessage(content='[TOOL_RESULTS] {"content": {"temp_c": 21}, "call_id": "abcDEF123"} [/TOOL_RESULTS]'),
+        AssistantMessage(content="It is 21 C in Paris."),
+    ])
+    tokenized = tokenize_conversation(conversation, tokenizer)
+    assert tokenized.input_ids == expected
+    call_span, answer_span = masked_spans(tokenized)
+    decoded = tokenizer.decode(call_span)
+    assert decoded.startswith("<think>") and "[TOOL_CALLS]" in decoded and '"get_weather"' in decoded
+    assert tokenizer.decode(answer_span) == "It is 21 C in Paris."
+
+
+def test_fit_tool_call_turns_rejects_unknown_policy():
+    with pytest.raises(RaytrainError, match="drop_text"):
+        fit_tool_call_turns([], "v3", "keep")

@@ -158,9 +158,19 @@ def test_tokenize_check_batch_flags_what_mistral_refuses():
     both = [good[0], {"role": "assistant", "content": "<think>x</think>", "tool_calls": [call]},
             {"role": "tool", "content": "1", "tool_calls": []}, {"role": "assistant", "content": "ok", "tool_calls": []}]
     pdf = pd.DataFrame({"uuid": ["g", "b"], "messages_json": [json.dumps(good), json.dumps(both)]})
-    out = udfs.tokenize_check_batch(pdf, "v3")
+    out = udfs.tokenize_check_batch(pdf, "v3", text_with_tool_calls="quarantine")
     ref = load_tokenizer("v3").encode_chat_completion(
         ChatCompletionRequest(messages=[UserMessage(content="Say hi."), AssistantMessage(content="Hi!")])).tokens
     assert out["num_tokens"].tolist() == [len(ref), -1]
     assert out["status"].tolist() == [udfs.OK, udfs.UNTOKENIZABLE]
     assert "both text content and tool_calls" in out["detail"][1]
+    assert out["messages_json"].tolist() == pdf["messages_json"].tolist()
+
+    # default policy: the text of the mixed turn is dropped, the call stays; messages_json says what is trained
+    out = udfs.tokenize_check_batch(pdf, "v3")
+    assert out["status"].tolist() == [udfs.OK, udfs.OK]
+    assert out["dropped_text_turns"].tolist() == [0, 1]
+    trained = json.loads(out["messages_json"][1])
+    assert trained[1]["content"] == "" and trained[1]["tool_calls"] == [call]
+    assert [m for i, m in enumerate(trained) if i != 1] == [m for i, m in enumerate(both) if i != 1]
+    assert out["messages_json"][0] == pdf["messages_json"][0]  # untouched rows keep their JSON byte for byte
