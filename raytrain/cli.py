@@ -1,4 +1,4 @@
-"""`raytrain` command line: run / enrich / train / export / status.
+"""`raytrain` command line: run / enrich / train / export / status / fetch-jars.
 
 Exit codes: 0 ok, 1 the job failed, 2 bad usage or config.
 """
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="output dir (default: <run>/exports/step_N)")
     p = sub.add_parser("status", help="runs and checkpoints under a storage root, as a table")
     p.add_argument("--root", default="./runs", help="storage root (default ./runs)")
+    p = sub.add_parser("fetch-jars", help="download the hadoop-aws + AWS SDK jars Spark needs for s3:// (from PyPI)")
+    p.add_argument("--dest", default="", help="folder (default $RAYTRAIN_JARS_DIR or ~/.cache/raytrain/jars)")
     return parser
 
 
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print("raytrain: error: a COMMAND is required (run, enrich, train, export, status); see raytrain --help",
+        print("raytrain: error: a COMMAND is required (run, enrich, train, export, status, fetch-jars); see "
+              "raytrain --help",
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -77,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             from raytrain.status import print_status
 
             print_status(args.root)
+            return 0
+        if args.command == "fetch-jars":
+            from raytrain.enrich.jars import fetch_s3a_jars
+
+            for path in fetch_s3a_jars(args.dest or None):
+                print(f"raytrain: {path}")
             return 0
         from raytrain.config import load_job_config
 

@@ -106,6 +106,9 @@ class EnrichConfig:
     """Eval files (JSONL/Parquet/text) to decontaminate against; 'sample' uses the sample dataset's eval set."""
     decontam_ngram: int = 13
     """n-gram length for decontamination overlap."""
+    spark_jars: tuple[str, ...] = ()
+    """Extra jars for Spark (spark.jars). Empty: for s3:// paths the hadoop-aws + AWS SDK jars that
+    `raytrain fetch-jars` put into ~/.cache/raytrain/jars (raytrain.enrich.jars)."""
 
     def __post_init__(self) -> None:
         _require(self.num_executors >= 1, "enrich.num_executors", "must be >= 1")

@@ -75,13 +75,30 @@ class StorageLocation:
 
     @property
     def spark_conf(self) -> dict[str, str]:
-        """Spark settings this location needs beyond the URI (the S3 endpoint for s3a://); {} when none."""
-        if self.scheme != "s3" or self.s3_endpoint is None:
+        """Spark settings this location needs beyond the URI; {} when none.
+
+        For s3: the endpoint override (path-style, TLS off for http://), and the driver's AWS_* credentials when
+        set, as Hadoop settings: Spark ships those to its executors, which (RayDP's Java actors) may not have the
+        driver's environment. Spark redacts them in its UI and logs (spark.redaction.regex)."""
+        if self.scheme != "s3":
             return {}
-        return {
-            "spark.hadoop.fs.s3a.endpoint": self.s3_endpoint,
-            "spark.hadoop.fs.s3a.path.style.access": "true",  # loopback/on-prem servers rarely do virtual hosts
-        }
+        conf: dict[str, str] = {}
+        if self.s3_endpoint is not None:
+            conf["spark.hadoop.fs.s3a.endpoint"] = self.s3_endpoint
+            conf["spark.hadoop.fs.s3a.path.style.access"] = "true"  # loopback/on-prem servers rarely do vhosts
+            if self.s3_endpoint.startswith("http://"):  # S3A defaults to TLS whatever the endpoint's scheme says
+                conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] = "false"
+        key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+        if key and secret:
+            conf["spark.hadoop.fs.s3a.access.key"] = key
+            conf["spark.hadoop.fs.s3a.secret.key"] = secret
+            token = os.environ.get("AWS_SESSION_TOKEN")
+            if token:
+                conf["spark.hadoop.fs.s3a.session.token"] = token
+            conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
+                "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider" if token
+                else "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider")
+        return conf
 
     @property
     def local_path(self) -> str | None:

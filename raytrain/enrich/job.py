@@ -278,9 +278,12 @@ def _footer_rows(loc: StorageLocation) -> tuple[list[str], int]:
 def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
                eval_sets: tuple[str, ...] | None = None) -> EnrichResult:
     """Start Spark on the running Ray cluster, enrich, stop Spark; returns where the outputs are and the report."""
+    from raytrain.enrich.jars import spark_jar_configs
     from raytrain.enrich.spark import spark_session
 
-    # Fail on bad inputs in seconds, before a JVM starts.
+    # Fail on bad inputs (and missing s3a jars) in seconds, before a JVM starts.
     validate_inputs(list_input_files(input_root, job.data.splits))
-    with spark_session(job.enrich, extra_configs=input_root.spark_conf | run_root.spark_conf) as spark:
+    configs = input_root.spark_conf | run_root.spark_conf | spark_jar_configs(job.enrich.spark_jars,
+                                                                               (input_root, run_root))
+    with spark_session(job.enrich, extra_configs=configs) as spark:
         return enrich_in_session(spark, job, input_root, run_root, eval_sets).result

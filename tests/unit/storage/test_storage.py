@@ -43,6 +43,8 @@ def test_relative_path_becomes_absolute(tmp_path, monkeypatch):
 def test_s3_views(monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
     loc = resolve("s3://bucket/runs/x/")
     assert (loc.scheme, loc.path, loc.uri, loc.spark_uri) == (
         "s3",
@@ -64,10 +66,27 @@ def test_s3_endpoint_argument_and_env(monkeypatch):
     assert loc.s3_endpoint == "http://127.0.0.1:7000"
     assert loc.join("c").s3_endpoint == loc.s3_endpoint  # children keep the endpoint
     assert loc.spark_conf["spark.hadoop.fs.s3a.endpoint"] == "http://127.0.0.1:7000"
+    assert loc.spark_conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] == "false"  # http:// endpoint
     fs = loc.filesystem
     assert isinstance(fs, pafs.S3FileSystem)
     options = fs.__reduce__()[1][0]  # pyarrow's own record of how it was built
     assert (options["endpoint_override"], options["scheme"]) == ("127.0.0.1:7000", "http")
+
+
+def test_s3_spark_conf_carries_driver_credentials(monkeypatch):
+    """Spark executors (RayDP Java actors) may lack the driver's env: credentials travel as Hadoop settings."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    conf = resolve("s3://b/k", s3_endpoint="https://s3.internal:443").spark_conf
+    assert conf["spark.hadoop.fs.s3a.access.key"] == "AKIDEXAMPLE" and conf["spark.hadoop.fs.s3a.secret.key"] == "s3cr3t"
+    assert conf["spark.hadoop.fs.s3a.aws.credentials.provider"].endswith("SimpleAWSCredentialsProvider")
+    assert "spark.hadoop.fs.s3a.connection.ssl.enabled" not in conf  # https endpoint keeps TLS
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "tok")
+    conf = resolve("s3://b/k").spark_conf
+    assert conf["spark.hadoop.fs.s3a.session.token"] == "tok"
+    assert conf["spark.hadoop.fs.s3a.aws.credentials.provider"].endswith("TemporaryAWSCredentialsProvider")
+    assert resolve("/tmp/x").spark_conf == {}  # never leaked into non-S3 locations
 
 
 def test_hdfs_views_without_connecting():
