@@ -2,8 +2,7 @@
 storage all through raytrain.storage.resolve; a second launch resumes from the checkpoints on S3 and ends with the
 same weights as an uninterrupted run on a POSIX root.
 
-Enrichment to S3 is not run here: Spark writes s3a:// through hadoop-aws + the AWS SDK jars, which pyspark does not
-ship and this machine cannot download; Spark's side of s3:// is covered only where those jars are installed.
+Enrichment on S3 (Spark through s3a://, input and run root in the bucket) is tested in test_storage_forms.py.
 """
 
 from __future__ import annotations
