@@ -105,6 +105,9 @@ def main() -> int:
     parser.add_argument("--rows-per-split", type=int, default=400)
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--out", default="/tmp/bench_enrich")
+    parser.add_argument("--one-thread-baseline", action="store_true",
+                        help="also time the baseline with 1 torch thread (the ceiling of 2 processes x 1 thread "
+                             "against 1 process x 2 threads on a 2-core machine)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -135,6 +138,10 @@ def main() -> int:
     torch.set_num_threads(args.executors * job.enrich.executor_cores)  # the cores Spark's executors get
     base = baseline_enrich(rows, job, eval_texts)
     figures["baseline_s"], figures["baseline_rows_out"] = base["seconds"], base["rows_out"]
+    if args.one_thread_baseline:  # the same process on one core: what the intra-op threads above were worth
+        torch.set_num_threads(1)
+        figures["baseline_1thread_s"] = baseline_enrich(rows, job, eval_texts)["seconds"]
+        torch.set_num_threads(args.executors * job.enrich.executor_cores)
     figures["load_avg_after_baseline"] = os.getloadavg()
     print(f"baseline: {len(rows) / base['seconds']:.1f} rows/s ({base['seconds']:.1f} s)", flush=True)
 
@@ -216,6 +223,11 @@ def main() -> int:
           f"from_spark: {fs_s:.2f} s ({fs_s / figures['spark_enrich_s']:.3f} of enrichment)   (best of 2)   rows "
           f"{figures['handoff_parquet_rows']} / {figures['handoff_from_spark_rows']}; from_spark blocks readable "
           f"after stop_spark(): {figures['from_spark_after_stop_rows']}")
+    if "baseline_1thread_s" in figures:
+        one = figures["baseline_1thread_s"]
+        print(f"baseline    1 thread: {n / one:8.1f} rows/s ({one:.1f} s): {args.executors} threads are worth "
+              f"{one / figures['baseline_s']:.2f}x to one process; RayDP over the 1-thread process "
+              f"{one / figures['spark_enrich_s']:.2f}x")
     print(f"rows out    Spark {figures['spark_rows_out']}  baseline {figures['baseline_rows_out']}")
     return 0
 
