@@ -14,6 +14,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig
+from raytrain.errors import RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.storage import StorageLocation
 from raytrain.trainer.loop import train_loop_per_worker
@@ -57,6 +58,20 @@ def software_versions() -> dict[str, str]:
     return out
 
 
+def user_error(error: BaseException) -> RaytrainError | None:
+    """The first RaytrainError a failed worker group raised (rank order), looking through Ray's task-error
+    wrappers; None when the failure was something else (a crash, a lost node)."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for _, failure in sorted(failures.items()):
+        seen: set[int] = set()
+        while failure is not None and id(failure) not in seen:
+            seen.add(id(failure))
+            if isinstance(failure, RaytrainError):
+                return failure
+            failure = getattr(failure, "cause", None) or failure.__cause__
+    return None
+
+
 def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, num_packs: int,
           max_failures: int = 0) -> TrainResult:
     tc = job.train
@@ -93,7 +108,15 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
         # and takes its data-parallel share itself (raytrain.trainer.schedule).
         dataset_config=DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)),
     )
-    trainer.fit()
+    try:
+        trainer.fit()
+    except ray.train.WorkerGroupError as e:
+        # A worker refused bad input (a corrupt checkpoint, a changed batch layout): surface that error, with its
+        # file/field and fix, rather than Ray's wrapper around it and the worker's traceback.
+        refused = user_error(e)
+        if refused is not None:
+            raise RaytrainError(str(refused)) from e
+        raise
     # Ray attaches metrics to reported checkpoints only; ours are committed by the store, whose manifest records
     # the metrics of the step it saved (the last step is always saved).
     latest = CheckpointStore(run_root).latest()
