@@ -166,7 +166,6 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     ``eval_sets`` overrides ``job.enrich.eval_sets`` (the runner passes them resolved). Raises RaytrainError for
     bad inputs, AssertionError when rows go missing (a bug).
     """
-
     from raytrain.enrich import steps
 
     t_start = time.perf_counter()
@@ -226,7 +225,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
 
     # Statistics from the files just written, not from the step chain: a DataFrame read back from Parquet has a
     # one-node plan, while the chain's plan (every step, 14 cached frames) took Spark's planner seconds per query.
-    df.unpersist()
+    # The final frame stays cached for callers holding the session (EnrichSession.frame); Spark's stop frees it.
     for q in quarantined:
         q.unpersist()
     contaminated = [{"uuid": r["uuid"], "split": r["split"], "detail": r["detail"]} for r in sorted(
