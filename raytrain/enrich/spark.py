@@ -124,3 +124,30 @@ def spark_session(cfg: EnrichConfig, app_name: str = "raytrain-enrich",
         yield spark
     finally:
         raydp.stop_spark()
+        _stop_driver_jvm()
+
+
+def _stop_driver_jvm() -> None:
+    """Stop the Spark driver JVM with the session. pyspark keeps one per Python process and a later session would
+    reuse it, silently ignoring settings that only apply when the JVM starts: spark.jars on the driver's classpath
+    (a second session in one process could not load S3AFileSystem) and the Java options."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    if gateway is None:
+        return
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    try:
+        gateway.shutdown()
+    except Exception as e:  # noqa: BLE001 - already gone; the process below is what matters
+        log.debug("py4j gateway shutdown: %s", e)
+    proc = getattr(gateway, "proc", None)
+    if proc is not None:
+        if proc.stdin is not None:
+            proc.stdin.close()  # the gateway JVM exits on EOF of its stdin
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            log.warning("Spark driver JVM (pid %d) did not exit in 60 s; killing it", proc.pid)
+            proc.kill()
