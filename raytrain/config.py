@@ -22,6 +22,9 @@ import yaml
 
 from raytrain.errors import ConfigError
 
+TEXT_WITH_TOOL_CALLS_POLICIES = ("drop_text", "quarantine")
+"""dataset.text_with_tool_calls values (raytrain.dataset.tokenize.fit_tool_call_turns applies them)."""
+
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
 
 
@@ -136,7 +139,7 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         _require(self.tokenizer in ("v1", "v3"), "dataset.tokenizer", f"{self.tokenizer!r}: choose 'v1' or 'v3'")
-        _require(self.text_with_tool_calls in ("drop_text", "quarantine"), "dataset.text_with_tool_calls",
+        _require(self.text_with_tool_calls in TEXT_WITH_TOOL_CALLS_POLICIES, "dataset.text_with_tool_calls",
                  f"{self.text_with_tool_calls!r}: choose 'drop_text' or 'quarantine'")
         _require(self.seq_len >= 8, "dataset.seq_len", "must be >= 8")
 

@@ -59,6 +59,7 @@ from mistral_common.tokens.tokenizers.base import TokenizerVersion
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from pydantic import ValidationError
 
+from raytrain.config import TEXT_WITH_TOOL_CALLS_POLICIES
 from raytrain.errors import RaytrainError
 
 TOKENIZER_FILES: dict[str, str] = {
@@ -70,8 +71,6 @@ TOKENIZER_FILES: dict[str, str] = {
 ROLES = ("system", "user", "assistant", "tool")
 _V3_CALL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-TEXT_WITH_TOOL_CALLS_POLICIES = ("drop_text", "quarantine")
-"""What to do, for v3, with an assistant turn that has both text and tool calls (see fit_tool_call_turns)."""
 
 
 @dataclass(frozen=True)
