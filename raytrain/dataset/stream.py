@@ -87,5 +87,10 @@ def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: D
 
 def training_dataset(packed: PackedData) -> ray.data.Dataset:
     """The packed sequences as a lazily read Ray Dataset, files in a fixed order."""
-    return ray.data.read_parquet(list(packed.files), filesystem=packed.location.filesystem,
-                                 columns=["input_ids", "position_ids", "segment_ids", "labels", "doc_ids"])
+    ds = ray.data.read_parquet(list(packed.files), filesystem=packed.location.filesystem).select_columns(
+        ["input_ids", "position_ids", "segment_ids", "labels", "doc_ids"])
+    # Every reading worker executes this dataset once per epoch; its progress bars would be drawn in the driver's
+    # console between the step lines (and the redraws repeat those lines). The driver shows the packing bars, the
+    # workers print their steps. Only this dataset's context is changed, not the driver's.
+    ds.context.enable_progress_bars = False
+    return ds
