@@ -21,7 +21,10 @@ from raytrain.storage import StorageLocation, default_user, resolve, run_root
 log = logging.getLogger(__name__)
 
 # Environment every Ray worker needs: no hub downloads, and Ray 2.60's token-auth warning off for local clusters.
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray Train 2.60 turns a worker's print() into a root-logger record and also tees it to
+# the worker's stdout, so every "[raytrain] step" line reached the driver console twice.
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+              "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
                  "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "RAYTRAIN_USER")
 
