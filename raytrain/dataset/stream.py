@@ -90,7 +90,7 @@ def training_dataset(packed: PackedData) -> ray.data.Dataset:
     ds = ray.data.read_parquet(list(packed.files), filesystem=packed.location.filesystem).select_columns(
         ["input_ids", "position_ids", "segment_ids", "labels", "doc_ids"])
     # Every reading worker executes this dataset once per epoch; its progress bars would be drawn in the driver's
-    # console between the step lines (and the redraws repeat those lines). The driver shows the packing bars, the
-    # workers print their steps. Only this dataset's context is changed, not the driver's.
+    # console between the step lines. The driver shows the packing bars, the workers print their steps. Only this
+    # dataset's context is changed, not the driver's.
     ds.context.enable_progress_bars = False
     return ds
