@@ -100,9 +100,6 @@ def bench_worker_loop(config: dict) -> None:
     data_iter = None
     if topo.needs_data:
         if config["feed"] == "ray_data":
-            import ray.data
-
-            ray.data.DataContext.get_current().enable_progress_bars = False
             shard = ray.train.get_dataset_shard("train")
 
             def epoch_batches(epoch: int):

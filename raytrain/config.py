@@ -140,7 +140,8 @@ class DatasetConfig:
     def __post_init__(self) -> None:
         _require(self.tokenizer in ("v1", "v3"), "dataset.tokenizer", f"{self.tokenizer!r}: choose 'v1' or 'v3'")
         _require(self.text_with_tool_calls in TEXT_WITH_TOOL_CALLS_POLICIES, "dataset.text_with_tool_calls",
-                 f"{self.text_with_tool_calls!r}: choose 'drop_text' or 'quarantine'")
+                 f"{self.text_with_tool_calls!r}: choose "
+                 + " or ".join(repr(p) for p in TEXT_WITH_TOOL_CALLS_POLICIES))
         _require(self.seq_len >= 8, "dataset.seq_len", "must be >= 8")
 
 

@@ -13,7 +13,6 @@ import tempfile
 import time
 from typing import Any
 
-import ray.data
 import ray.train
 import torch
 import torch.distributed as dist
@@ -63,8 +62,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     trace = FeedTrace()
     data_iter = None
     if topo.needs_data:
-        # One bar per reading worker per epoch would flood the driver's console; the driver shows the packing bars.
-        ray.data.DataContext.get_current().enable_progress_bars = False
         shard = ray.train.get_dataset_shard("train")
         mbs = tc.micro_batch_size
 
