@@ -2,6 +2,7 @@
 Prints figures; never asserts.
 
     python benchmarks/bench_pipeline.py [--steps 6] [--warmup 2] [--rounds 2] [--grad-accum 8] [--seq-len 256]
+                                        [--busy-baseline] [--same-cores] [--only pp1-1thread,pp2-memory]
 
 Contenders (same model, same global batch, same seeded random-token data, TorchTrainer + DeepSpeed pipeline engine
 through raytrain's own `build_stage_engine`, `micro_batches` feed and `Topology`):
@@ -11,6 +12,8 @@ through raytrain's own `build_stage_engine`, `micro_batches` feed and `Topology`
 3. pp=2, 2 workers x 1 thread, fed by Ray Data      tokens/s against 2. (target >= 0.97), the production read path:
    packed Parquet -> raytrain.dataset.stream.training_dataset -> get_dataset_shard -> iter_batches, unsplit
 (--same-cores) pp=1, 1 worker x 2 threads: the two cores pp=2 uses, spent on intra-op parallelism instead
+(--busy-baseline) two pp=1 runs side by side, one core each: pp=1 with the machine as busy as pp=2 makes it, so
+   pp=2 against it separates the cost of the schedule and its sends from the cost of filling both cores
 
 The model is a Mistral of 8 decoder layers, hidden 256, with a 1,024-token vocabulary, so the LM head (which sits on
 the last stage) costs about one decoder layer and the two stages are nearly balanced: the presets' 32,768-token
@@ -18,9 +21,9 @@ vocabulary would make the head ~10 decoder layers on a model this narrow, and th
 the partition, not the schedule. The balance is printed (FLOPs of the busier stage over half the total).
 
 On a 2-core machine pp=2 takes both cores (one per stage) against one for pp=1, and has no spare core to overlap
-communication onto. Other processes compete for the same cores, so every launch prints its step times and the load
-average, contenders run in ABC CBA order, and ratios are given from the best step (least disturbed) and from the
-median step of each contender.
+communication onto. Other processes compete for the same cores, so each launch first waits until the CPUs are quiet
+(what the previous launch left behind has finished), prints its step times and the load average, contenders run in
+ABC CBA order, and ratios are given from the best step (least disturbed) and from the median step of each contender.
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="launches per contender, in ABC CBA order")
     parser.add_argument("--same-cores", action="store_true",
                         help="also time pp=1 with 2 threads (the two cores pp=2 uses); slow on a loaded machine")
+    parser.add_argument("--quiet-busy", type=float, default=0.15,
+                        help="before each launch, wait until the CPUs are at most this busy (fraction, /proc/stat)")
+    parser.add_argument("--quiet-timeout", type=float, default=60.0, help="give up waiting for quiet after this many s")
+    parser.add_argument("--busy-baseline", action="store_true",
+                        help="also time two pp=1 runs side by side (pp=1 with both cores busy, as under pp=2)")
+    parser.add_argument("--only", default="", help="comma-separated contender names to run (default: all)")
     parser.add_argument("--out", default="", help="working folder (default: a new temp dir)")
     return parser.parse_args(argv)
 
@@ -80,9 +89,65 @@ def write_random_packs(folder: str, num_packs: int, seq_len: int, vocab_size: in
     return [path]
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat; None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet(max_busy: float, timeout_s: float, window_s: float = 1.0, windows: int = 2) -> tuple[float, float]:
+    """Wait until `windows` consecutive windows of `window_s` have the CPUs at most `max_busy` busy, or `timeout_s`.
+
+    A launch leaves work behind (Ray Data's stats actor and split coordinator, worker processes exiting, gloo
+    teardown) that would otherwise run on the next contender's cores. Returns (seconds waited, last busy fraction).
+    """
+    t0, quiet, busy = time.perf_counter(), 0, 0.0
+    prev = _cpu_times()
+    if prev is None:
+        return 0.0, float("nan")
+    while time.perf_counter() - t0 < timeout_s:
+        time.sleep(window_s)
+        cur = _cpu_times()
+        busy = (cur[0] - prev[0]) / max(1, cur[1] - prev[1])
+        prev = cur
+        quiet = quiet + 1 if busy <= max_busy else 0
+        if quiet >= windows:
+            break
+    return time.perf_counter() - t0, busy
+
+
 def bench_worker_loop(config: dict) -> None:
     """One TorchTrainer worker: build its pipeline stage, run warmup + timed steps, report step times."""
     import ray.train
+
+    world_rank = ray.train.get_context().get_world_rank()
+    measured = time_steps(config, world_rank)
+    # Ray Train 2.60 keeps metrics only with checkpoints, so rank 0 (stage 0, which finishes a 1F1B step last: its
+    # backward of the last micro-batch comes after every other stage's) writes its timings to a file.
+    if world_rank == 0:
+        with open(config["result_path"], "w", encoding="utf-8") as f:
+            json.dump(measured, f)
+
+
+def pair_member(config: dict, port: int) -> dict:
+    """A pp=1 run in a plain Ray task with its own one-process gloo group; two side by side fill both cores."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        return time_steps(config, 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def time_steps(config: dict, world_rank: int) -> dict:
+    """Build this rank's pipeline stage and time warmup + timed optimizer steps on it."""
     import torch
 
     from raytrain.pipeline.engine import build_stage_engine, init_distributed
@@ -92,7 +157,7 @@ def bench_worker_loop(config: dict) -> None:
 
     torch.set_num_threads(config["threads"])
     torch.manual_seed(0)
-    topo = Topology(pp=config["pp"], dp=1, world_rank=ray.train.get_context().get_world_rank())
+    topo = Topology(pp=config["pp"], dp=1, world_rank=world_rank)
     init_distributed("gloo")
     stage = build_stage_engine(MistralConfig.from_dict(config["model"]), config["ds_config"], pp=config["pp"], dp=1,
                                partition_method="type:DecoderLayerPipe", activation_checkpoint_interval=0, seed=0)
@@ -100,6 +165,8 @@ def bench_worker_loop(config: dict) -> None:
     data_iter = None
     if topo.needs_data:
         if config["feed"] == "ray_data":
+            import ray.train
+
             shard = ray.train.get_dataset_shard("train")
 
             def epoch_batches(epoch: int):
@@ -119,11 +186,7 @@ def bench_worker_loop(config: dict) -> None:
         t0 = time.perf_counter()
         losses.append(stage.train_batch(data_iter))
         step_times.append(time.perf_counter() - t0)
-    # Ray Train 2.60 keeps metrics only with checkpoints, so rank 0 (stage 0, which finishes a 1F1B step last: its
-    # backward of the last micro-batch comes after every other stage's) writes its timings to a file.
-    if topo.world_rank == 0:
-        with open(config["result_path"], "w", encoding="utf-8") as f:
-            json.dump({"step_times": step_times, "losses": losses}, f)
+    return {"step_times": step_times, "losses": losses}
 
 
 CONTENDERS = (  # name, pp, threads per worker, feed
@@ -134,6 +197,10 @@ CONTENDERS = (  # name, pp, threads per worker, feed
 # Opt-in (--same-cores): one worker with 2 intra-op threads. On a loaded 2-core machine its OpenMP regions wait for
 # both threads to be scheduled at once, and steps of 15-70 s were seen (against ~1.4 s with one thread).
 SAME_CORES = ("pp1-2threads", 1, 2, "memory")
+# Opt-in (--busy-baseline): two pp=1 runs side by side, one core each, as plain Ray tasks. Their step time is pp=1's
+# with the machine as busy as pp=2 makes it (both cores computing: shared cache and memory bandwidth, no spare core
+# for Ray's own actors, hypervisor steal), so pp=2 against it isolates what the schedule and its sends cost.
+BUSY_BASELINE = ("pp1-pair", 1, 1, "memory")
 
 
 def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: str, args, files: list[str],
@@ -162,8 +229,21 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
 
         location = resolve(os.path.dirname(files[0]))
         datasets["train"] = training_dataset(PackedData(location, tuple(files), num_packs, num_packs * args.seq_len))
+    waited_s, busy = wait_for_quiet(args.quiet_busy, args.quiet_timeout)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
+    if name == BUSY_BASELINE[0]:
+        import ray
+
+        task = ray.remote(num_cpus=threads)(pair_member)
+        pair = ray.get([task.remote(config, 29611 + 2 * round_index + i) for i in range(2)])
+        print(f"  {name:<13} round {round_index}: steps {[round(t, 2) for t in pair[0]['step_times']]} and "
+              f"{[round(t, 2) for t in pair[1]['step_times']]} s (first {args.warmup} untimed), launch "
+              f"{time.perf_counter() - t0:.0f}s, load {load_before:.1f}->{os.getloadavg()[0]:.1f}, waited "
+              f"{waited_s:.0f}s for CPUs {busy:.0%} busy", flush=True)
+        times = [t for r in pair for t in r["step_times"][args.warmup:]]
+        return {"step_times": times, "first_step_s": max(r["step_times"][0] for r in pair), "losses": pair[0]["losses"],
+                "load_avg": (load_before, os.getloadavg()[0])}
     TorchTrainer(
         bench_worker_loop, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=pp, use_gpu=False, resources_per_worker={"CPU": threads}),
@@ -175,7 +255,8 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
     with open(result_path, encoding="utf-8") as f:
         measured = json.load(f)
     print(f"  {name:<13} round {round_index}: steps {[round(t, 2) for t in measured['step_times']]} s "
-          f"(first {args.warmup} untimed), launch {wall_s:.0f}s, load {load_before:.1f}->{os.getloadavg()[0]:.1f}",
+          f"(first {args.warmup} untimed), launch {wall_s:.0f}s, load {load_before:.1f}->{os.getloadavg()[0]:.1f}, "
+          f"waited {waited_s:.0f}s for CPUs {busy:.0%} busy",
           flush=True)
     return {"step_times": measured["step_times"][args.warmup:], "first_step_s": measured["step_times"][0],
             "losses": measured["losses"], "load_avg": (load_before, os.getloadavg()[0])}
@@ -213,7 +294,14 @@ def main(argv: list[str] | None = None) -> int:
              runtime_env={"env_vars": dict(WORKER_ENV)})
     ray.data.DataContext.get_current().enable_progress_bars = False
     t_all = time.perf_counter()
-    contenders = CONTENDERS + ((SAME_CORES,) if args.same_cores else ())
+    contenders = CONTENDERS + ((SAME_CORES,) if args.same_cores else ()) + ((BUSY_BASELINE,) if args.busy_baseline
+                                                                            else ())
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {c[0] for c in contenders})
+        if unknown:
+            raise SystemExit(f"--only: unknown contender(s) {unknown}; choose from {[c[0] for c in contenders]}")
+        contenders = tuple(c for c in contenders if c[0] in wanted)
     runs: dict[str, list[dict]] = {name: [] for name, *_ in contenders}
     try:
         common = dict(args=args, files=files, num_packs=num_packs, workdir=workdir)
@@ -244,22 +332,32 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(a: str, b: str, key: str) -> float:  # tokens/s of a over b = step time of b over a
         return stats[b][key] / stats[a][key]
 
-    print(f"\npp=2 vs pp=1 (one core per worker), ideal 2m/(m+p-1) = {ideal:.2f}x "
-          f"(stage balance busiest/mean FLOPs {balance:.3f} -> balance-adjusted ideal {ideal / balance:.2f}x):")
-    for key in ("best", "median"):
-        speedup = ratio("pp2-memory", "pp1-1thread", key)
-        print(f"  {key:>6} steps: speed-up {speedup:.2f}x, achieved/ideal {speedup / ideal:.2f} "
-              f"(target >= {TARGET_PP_RATIO})")
-    for key in ("best", "median") if args.same_cores else ():
-        print(f"  {key:>6} steps: pp=2 over pp=1 with 2 threads (the same two cores): "
-              f"{ratio('pp2-memory', 'pp1-2threads', key):.2f}x")
-    print(f"Ray Data feed vs in-memory feed (pp=2), target >= {TARGET_FEED_RATIO}:")
-    for key in ("best", "median"):
-        print(f"  {key:>6} steps: {ratio('pp2-raydata', 'pp2-memory', key):.3f}")
-    print(f"  first step (stream start, engine warm-up): Ray Data {stats['pp2-raydata']['first']:.2f}s, "
-          f"memory {stats['pp2-memory']['first']:.2f}s")
-    same_losses = all(r["losses"] == runs["pp2-memory"][0]["losses"] for r in runs["pp2-raydata"])
-    print(f"  same losses step by step with both feeds (same micro-batches, same order): {same_losses}")
+    have = set(stats)
+    print()
+    if {"pp1-1thread", "pp2-memory"} <= have:
+        print(f"pp=2 vs pp=1 (one core per worker), ideal 2m/(m+p-1) = {ideal:.2f}x "
+              f"(stage balance busiest/mean FLOPs {balance:.3f} -> balance-adjusted ideal {ideal / balance:.2f}x):")
+        for key in ("best", "median"):
+            speedup = ratio("pp2-memory", "pp1-1thread", key)
+            print(f"  {key:>6} steps: speed-up {speedup:.2f}x, achieved/ideal {speedup / ideal:.2f} "
+                  f"(target >= {TARGET_PP_RATIO})")
+    if {"pp1-2threads", "pp2-memory"} <= have:
+        for key in ("best", "median"):
+            print(f"  {key:>6} steps: pp=2 over pp=1 with 2 threads (the same two cores): "
+                  f"{ratio('pp2-memory', 'pp1-2threads', key):.2f}x")
+    if {"pp1-pair", "pp2-memory"} <= have:
+        for key in ("best", "median"):
+            speedup = ratio("pp2-memory", "pp1-pair", key)
+            print(f"  {key:>6} steps: pp=2 over pp=1 with both cores busy (two pp=1 side by side): {speedup:.2f}x, "
+                  f"over ideal {speedup / ideal:.2f}")
+    if {"pp2-raydata", "pp2-memory"} <= have:
+        print(f"Ray Data feed vs in-memory feed (pp=2), target >= {TARGET_FEED_RATIO}:")
+        for key in ("best", "median"):
+            print(f"  {key:>6} steps: {ratio('pp2-raydata', 'pp2-memory', key):.3f}")
+        print(f"  first step (stream start, engine warm-up): Ray Data {stats['pp2-raydata']['first']:.2f}s, "
+              f"memory {stats['pp2-memory']['first']:.2f}s")
+        same_losses = all(r["losses"] == runs["pp2-memory"][0]["losses"] for r in runs["pp2-raydata"])
+        print(f"  same losses step by step with both feeds (same micro-batches, same order): {same_losses}")
     print(f"\nbench_pipeline: {time.perf_counter() - t_all:.0f}s for {args.rounds * len(contenders)} launches; "
           f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return 0
