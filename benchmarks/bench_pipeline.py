@@ -277,6 +277,15 @@ def stage_balance(pp: int, seq_len: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    contenders = CONTENDERS + ((SAME_CORES,) if args.same_cores else ()) + ((BUSY_BASELINE,) if args.busy_baseline
+                                                                            else ())
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {c[0] for c in contenders})
+        if unknown:
+            raise SystemExit(f"--only: unknown contender(s) {unknown}; choose from {[c[0] for c in contenders]} "
+                             "(pp1-2threads needs --same-cores, pp1-pair --busy-baseline)")
+        contenders = tuple(c for c in contenders if c[0] in wanted)
     import ray
     import ray.data
 
@@ -294,14 +303,6 @@ def main(argv: list[str] | None = None) -> int:
              runtime_env={"env_vars": dict(WORKER_ENV)})
     ray.data.DataContext.get_current().enable_progress_bars = False
     t_all = time.perf_counter()
-    contenders = CONTENDERS + ((SAME_CORES,) if args.same_cores else ()) + ((BUSY_BASELINE,) if args.busy_baseline
-                                                                            else ())
-    if args.only:
-        wanted = args.only.split(",")
-        unknown = sorted(set(wanted) - {c[0] for c in contenders})
-        if unknown:
-            raise SystemExit(f"--only: unknown contender(s) {unknown}; choose from {[c[0] for c in contenders]}")
-        contenders = tuple(c for c in contenders if c[0] in wanted)
     runs: dict[str, list[dict]] = {name: [] for name, *_ in contenders}
     try:
         common = dict(args=args, files=files, num_packs=num_packs, workdir=workdir)
