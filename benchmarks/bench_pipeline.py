@@ -127,11 +127,12 @@ def bench_worker_loop(config: dict) -> None:
 
     world_rank = ray.train.get_context().get_world_rank()
     measured = time_steps(config, world_rank)
-    # Ray Train 2.60 keeps metrics only with checkpoints, so rank 0 (stage 0, which finishes a 1F1B step last: its
-    # backward of the last micro-batch comes after every other stage's) writes its timings to a file.
-    if world_rank == 0:
-        with open(config["result_path"], "w", encoding="utf-8") as f:
-            json.dump(measured, f)
+    # Ray Train 2.60 keeps metrics only with checkpoints, so each rank writes its timings to a file. Rank 0's step
+    # times are the pipeline's: stage 0 finishes a 1F1B step last (its backward of the last micro-batch comes after
+    # every other stage's).
+    path = config["result_path"] if world_rank == 0 else f"{config['result_path']}.rank{world_rank}"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(measured, f)
 
 
 def pair_member(config: dict, port: int) -> dict:
@@ -181,12 +182,35 @@ def time_steps(config: dict, world_rank: int) -> dict:
         data_iter = micro_batches(epoch_batches, start_position=0,
                                   micro_batches_per_epoch=config["micro_batches_per_epoch"], dp_rank=0, dp=1,
                                   grad_accum_steps=m)
-    step_times, losses = [], []
+        data_iter = TimedIterator(data_iter)
+    step_times, losses, feed_times = [], [], []
     for _ in range(config["warmup"] + config["steps"]):
         t0 = time.perf_counter()
         losses.append(stage.train_batch(data_iter))
         step_times.append(time.perf_counter() - t0)
-    return {"step_times": step_times, "losses": losses}
+        feed_times.append(data_iter.take_seconds() if data_iter is not None else 0.0)
+    return {"step_times": step_times, "losses": losses, "feed_times": feed_times}
+
+
+class TimedIterator:
+    """Counts the seconds spent waiting in next(): the feed's own share of a step."""
+
+    def __init__(self, it):
+        self._it, self._seconds = it, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self._it)
+        finally:
+            self._seconds += time.perf_counter() - t0
+
+    def take_seconds(self) -> float:
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
 
 
 CONTENDERS = (  # name, pp, threads per worker, feed
@@ -254,12 +278,17 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
     wall_s = time.perf_counter() - t0
     with open(result_path, encoding="utf-8") as f:
         measured = json.load(f)
+    feed_times = [measured["feed_times"]]  # every stage that loads data (the first: inputs, the last: labels)
+    for rank in range(1, pp):
+        with open(f"{result_path}.rank{rank}", encoding="utf-8") as f:
+            feed_times.append(json.load(f)["feed_times"])
+    feed_ms = 1000 * max(statistics.median(t[args.warmup:]) for t in feed_times)
     print(f"  {name:<13} round {round_index}: steps {[round(t, 2) for t in measured['step_times']]} s "
-          f"(first {args.warmup} untimed), launch {wall_s:.0f}s, load {load_before:.1f}->{os.getloadavg()[0]:.1f}, "
-          f"waited {waited_s:.0f}s for CPUs {busy:.0%} busy",
+          f"(first {args.warmup} untimed; the slowest-fed stage waits {feed_ms:.1f} ms/step for its data), launch {wall_s:.0f}s, "
+          f"load {load_before:.1f}->{os.getloadavg()[0]:.1f}, waited {waited_s:.0f}s for CPUs {busy:.0%} busy",
           flush=True)
     return {"step_times": measured["step_times"][args.warmup:], "first_step_s": measured["step_times"][0],
-            "losses": measured["losses"], "load_avg": (load_before, os.getloadavg()[0])}
+            "losses": measured["losses"], "load_avg": (load_before, os.getloadavg()[0]), "feed_s": feed_ms / 1000}
 
 
 def stage_balance(pp: int, seq_len: int) -> float:
@@ -355,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Ray Data feed vs in-memory feed (pp=2), target >= {TARGET_FEED_RATIO}:")
         for key in ("best", "median"):
             print(f"  {key:>6} steps: {ratio('pp2-raydata', 'pp2-memory', key):.3f}")
+        for name in ("pp2-memory", "pp2-raydata"):
+            feed_s = statistics.median(r["feed_s"] for r in runs[name])
+            print(f"  {name}: the slowest-fed stage waits {1000 * feed_s:.1f} ms per step in next() of its feed, "
+                  f"{feed_s / stats[name]['median']:.2%} of the median step")
         print(f"  first step (stream start, engine warm-up): Ray Data {stats['pp2-raydata']['first']:.2f}s, "
               f"memory {stats['pp2-memory']['first']:.2f}s")
         same_losses = all(r["losses"] == runs["pp2-memory"][0]["losses"] for r in runs["pp2-raydata"])
