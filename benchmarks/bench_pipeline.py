@@ -3,6 +3,7 @@ Prints figures; never asserts.
 
     python benchmarks/bench_pipeline.py [--steps 6] [--warmup 2] [--rounds 2] [--grad-accum 8] [--seq-len 256]
                                         [--busy-baseline] [--same-cores] [--only pp1-1thread,pp2-memory]
+    python benchmarks/bench_pipeline.py --interleaved [--steps 30]
 
 Contenders (same model, same global batch, same seeded random-token data, TorchTrainer + DeepSpeed pipeline engine
 through raytrain's own `build_stage_engine`, `micro_batches` feed and `Topology`):
@@ -15,8 +16,13 @@ through raytrain's own `build_stage_engine`, `micro_batches` feed and `Topology`
 (--busy-baseline) two pp=1 runs side by side, one core each: pp=1 with the machine as busy as pp=2 makes it, so
    pp=2 against it separates the cost of the schedule and its sends from the cost of filling both cores
 
+--interleaved measures the same contenders differently: all of them are up at once as plain Ray actors (each rank in
+its own gloo group, the Ray Data one executing the same `training_dataset`), and the driver steps them in turn, one
+optimizer step each, order alternating. Ratios come from adjacent steps, so the machine's drift between launches (on
+this 2-vCPU VM pp=1's step time moved from 1.0 to 1.5 s within an hour) does not enter them; idle actors use no CPU.
+
 The model is a Mistral of 8 decoder layers, hidden 256, with a 1,024-token vocabulary, so the LM head (which sits on
-the last stage) costs about one decoder layer and the two stages are nearly balanced: the presets' 32,768-token
+the last stage) costs about a third of a decoder layer and the two stages are nearly balanced: the presets' 32,768-token
 vocabulary would make the head ~10 decoder layers on a model this narrow, and the pipeline would then measure
 the partition, not the schedule. The balance is printed (FLOPs of the busier stage over half the total).
 
@@ -66,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet-timeout", type=float, default=60.0, help="give up waiting for quiet after this many s")
     parser.add_argument("--busy-baseline", action="store_true",
                         help="also time two pp=1 runs side by side (pp=1 with both cores busy, as under pp=2)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="instead: pp=1, pp=2 and two pp=1 side by side as Ray actors, stepped in turn")
     parser.add_argument("--only", default="", help="comma-separated contender names to run (default: all)")
     parser.add_argument("--out", default="", help="working folder (default: a new temp dir)")
     return parser.parse_args(argv)
@@ -149,47 +157,79 @@ def pair_member(config: dict, port: int) -> dict:
 
 def time_steps(config: dict, world_rank: int) -> dict:
     """Build this rank's pipeline stage and time warmup + timed optimizer steps on it."""
-    import torch
-
-    from raytrain.pipeline.engine import build_stage_engine, init_distributed
-    from raytrain.pipeline.model import MistralConfig
-    from raytrain.trainer.feed import micro_batches
-    from raytrain.trainer.schedule import Topology
-
-    torch.set_num_threads(config["threads"])
-    torch.manual_seed(0)
-    topo = Topology(pp=config["pp"], dp=1, world_rank=world_rank)
-    init_distributed("gloo")
-    stage = build_stage_engine(MistralConfig.from_dict(config["model"]), config["ds_config"], pp=config["pp"], dp=1,
-                               partition_method="type:DecoderLayerPipe", activation_checkpoint_interval=0, seed=0)
-    mbs, m = config["micro_batch_size"], config["grad_accum_steps"]
-    data_iter = None
-    if topo.needs_data:
-        if config["feed"] == "ray_data":
-            import ray.train
-
-            shard = ray.train.get_dataset_shard("train")
-
-            def epoch_batches(epoch: int):
-                return shard.iter_batches(batch_size=mbs, batch_format="numpy", drop_last=True)
-        else:  # the same Parquet, read into memory before the clock starts
-            table = pq.read_table(config["files"])
-            cols = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
-            cached = [{k: v[i:i + mbs] for k, v in cols.items()} for i in range(0, table.num_rows - mbs + 1, mbs)]
-
-            def epoch_batches(epoch: int):
-                return cached
-        data_iter = micro_batches(epoch_batches, start_position=0,
-                                  micro_batches_per_epoch=config["micro_batches_per_epoch"], dp_rank=0, dp=1,
-                                  grad_accum_steps=m)
-        data_iter = TimedIterator(data_iter)
+    runner = StageRunner(config, world_rank)
     step_times, losses, feed_times = [], [], []
     for _ in range(config["warmup"] + config["steps"]):
-        t0 = time.perf_counter()
-        losses.append(stage.train_batch(data_iter))
-        step_times.append(time.perf_counter() - t0)
-        feed_times.append(data_iter.take_seconds() if data_iter is not None else 0.0)
+        seconds, loss, feed_s = runner.step()
+        step_times.append(seconds)
+        losses.append(loss)
+        feed_times.append(feed_s)
     return {"step_times": step_times, "losses": losses, "feed_times": feed_times}
+
+
+class StageRunner:
+    """One rank's pipeline stage (raytrain's build_stage_engine) and its feed, in a process group already joined."""
+
+    def __init__(self, config: dict, world_rank: int):
+        import torch
+
+        from raytrain.pipeline.engine import build_stage_engine, init_distributed
+        from raytrain.pipeline.model import MistralConfig
+        from raytrain.trainer.feed import micro_batches
+        from raytrain.trainer.schedule import Topology
+
+        torch.set_num_threads(config["threads"])
+        torch.manual_seed(0)
+        topo = Topology(pp=config["pp"], dp=1, world_rank=world_rank)
+        init_distributed("gloo")
+        self.stage = build_stage_engine(MistralConfig.from_dict(config["model"]), config["ds_config"],
+                                        pp=config["pp"], dp=1, partition_method="type:DecoderLayerPipe",
+                                        activation_checkpoint_interval=0, seed=0)
+        mbs, m = config["micro_batch_size"], config["grad_accum_steps"]
+        self.data_iter = None
+        if topo.needs_data:
+            if config["feed"] == "ray_data":
+                import ray.train
+
+                # in a TorchTrainer: the worker's shard of "train"; in an interleaved actor: the Dataset itself,
+                # which each rank executes in full, as the unsplit shard does
+                shard = config.get("dataset") or ray.train.get_dataset_shard("train")
+
+                def epoch_batches(epoch: int):
+                    return shard.iter_batches(batch_size=mbs, batch_format="numpy", drop_last=True)
+            else:  # the same Parquet, read into memory before the clock starts
+                table = pq.read_table(config["files"])
+                cols = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+                cached = [{k: v[i:i + mbs] for k, v in cols.items()}
+                          for i in range(0, table.num_rows - mbs + 1, mbs)]
+
+                def epoch_batches(epoch: int):
+                    return cached
+            self.data_iter = TimedIterator(micro_batches(
+                epoch_batches, start_position=0, micro_batches_per_epoch=config["micro_batches_per_epoch"],
+                dp_rank=0, dp=1, grad_accum_steps=m))
+
+    def step(self) -> tuple[float, float, float]:
+        """One optimizer step: (seconds, loss, seconds waited in next() of the feed)."""
+        t0 = time.perf_counter()
+        loss = self.stage.train_batch(self.data_iter)
+        seconds = time.perf_counter() - t0
+        return seconds, loss, self.data_iter.take_seconds() if self.data_iter is not None else 0.0
+
+
+class InterleavedStage:
+    """A Ray actor hosting one rank of a pp=1 or pp=2 run in its own gloo group, stepped by the driver."""
+
+    def __init__(self, config: dict, rank: int, port: int):
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK="0",
+                          WORLD_SIZE=str(config["pp"]))
+        dist.init_process_group("gloo", rank=rank, world_size=config["pp"])  # waits for the group's other ranks
+        self.runner = StageRunner(config, rank)
+
+    def step(self) -> tuple[float, float, float]:
+        return self.runner.step()
 
 
 class TimedIterator:
@@ -227,13 +267,8 @@ SAME_CORES = ("pp1-2threads", 1, 2, "memory")
 BUSY_BASELINE = ("pp1-pair", 1, 1, "memory")
 
 
-def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: str, args, files: list[str],
-                  num_packs: int, workdir: str) -> dict:
-    """One TorchTrainer launch; returns its step times (warmup dropped), losses and the load average around it."""
-    from ray.data import ExecutionOptions
-    from ray.train import DataConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+def worker_config(pp: int, threads: int, feed: str, args, files: list[str], num_packs: int,
+                  result_path: str = "") -> dict:
     from raytrain.config import TrainConfig
     from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 
@@ -241,11 +276,90 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
                      max_steps=args.warmup + args.steps, lr=1e-3, warmup_steps=1)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ds_config = derive_ds_config(load_ds_config(os.path.join(root, "configs", "ds_config.json")), tc)
+    return {"pp": pp, "threads": threads, "feed": feed, "model": BENCH_MODEL, "ds_config": ds_config,
+            "micro_batch_size": args.micro_batch_size, "grad_accum_steps": args.grad_accum,
+            "micro_batches_per_epoch": num_packs // args.micro_batch_size, "warmup": args.warmup,
+            "steps": args.steps, "files": files, "result_path": result_path}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_interleaved(args, files: list[str], num_packs: int) -> None:
+    """pp=1, pp=2 fed from memory, pp=2 fed by Ray Data and two pp=1 side by side, alive at once as Ray actors and
+    stepped in turn, one optimizer step each (order alternating), so the machine's drift between launches does not
+    enter the ratios."""
+    import ray
+
+    from raytrain.dataset.stream import PackedData, training_dataset
+    from raytrain.storage import resolve
+
+    actor = ray.remote(num_cpus=1)(InterleavedStage)
+    one, two = (worker_config(pp, 1, "memory", args, files, num_packs) for pp in (1, 2))
+    dataset = training_dataset(PackedData(resolve(os.path.dirname(files[0])), tuple(files), num_packs,
+                                          num_packs * args.seq_len))
+    streamed = {**worker_config(2, 1, "ray_data", args, files, num_packs), "dataset": dataset}
+    port_memory, port_streamed = _free_port(), _free_port()
+    groups = {
+        "pp1-1thread": [actor.remote(one, 0, _free_port())],
+        "pp2-memory": [actor.remote(two, rank, port_memory) for rank in range(2)],
+        "pp2-raydata": [actor.remote(streamed, rank, port_streamed) for rank in range(2)],
+        "pp1-pair": [actor.remote(one, 0, _free_port()) for _ in range(2)],
+    }
+    ray.get([a.__ray_ready__.remote() for group in groups.values() for a in group])
+    waited_s, busy = wait_for_quiet(args.quiet_busy, args.quiet_timeout)
+    print(f"interleaved: {sum(map(len, groups.values()))} actors up; waited {waited_s:.0f}s for CPUs {busy:.0%} busy",
+          flush=True)
+    times: dict[str, list[float]] = {name: [] for name in groups}
+    losses: dict[str, list[float]] = {name: [] for name in groups}
+    for i in range(args.warmup + args.steps):
+        for name in list(groups) if i % 2 == 0 else list(reversed(groups)):
+            results = ray.get([a.step.remote() for a in groups[name]])  # the others wait idle meanwhile
+            # pp=2: stage 0's time (it finishes last); the pair: the mean of its two runs
+            seconds = statistics.mean(r[0] for r in results) if name == "pp1-pair" else results[0][0]
+            losses[name].append(results[0][1])
+            if i >= args.warmup:
+                times[name].append(seconds)
+        print(f"  step {i}{' (untimed)' if i < args.warmup else ''}: "
+              + ", ".join(f"{n} {times[n][-1] if i >= args.warmup else float('nan'):.2f}s" for n in groups),
+              flush=True)
+    for group in groups.values():
+        for a in group:
+            ray.kill(a)
+    m, p = args.grad_accum, 2
+    ideal = 2 * m / (m + p - 1)
+    print(f"\ninterleaved, {args.steps} timed steps each (median step s: "
+          + ", ".join(f"{n} {statistics.median(t):.3f}" for n, t in times.items()) + ")")
+    for base in ("pp1-1thread", "pp1-pair"):
+        per_step = [b / a for a, b in zip(times["pp2-memory"], times[base], strict=True)]
+        speedup = statistics.median(per_step)
+        print(f"  pp=2 over {base}: median of per-step ratios {speedup:.2f}x, achieved/ideal {speedup / ideal:.2f} "
+              f"(ideal {ideal:.2f}x, target >= {TARGET_PP_RATIO}); ratio of medians "
+              f"{statistics.median(times[base]) / statistics.median(times['pp2-memory']):.2f}x")
+    per_step = [m_ / r_ for m_, r_ in zip(times["pp2-memory"], times["pp2-raydata"], strict=True)]
+    print(f"  Ray Data feed over in-memory feed (pp=2): median of per-step ratios {statistics.median(per_step):.3f} "
+          f"(target >= {TARGET_FEED_RATIO}); ratio of medians "
+          f"{statistics.median(times['pp2-memory']) / statistics.median(times['pp2-raydata']):.3f}; same losses: "
+          f"{losses['pp2-raydata'] == losses['pp2-memory']}")
+    diffs = [abs(a - b) for a, b in zip(losses["pp1-1thread"], losses["pp2-memory"], strict=True)]
+    print(f"  losses pp=1 vs pp=2 (same seed, weights and batches; fp32 sums in another order): abs difference "
+          f"{diffs[0]:.1e} at step 0, at most {max(diffs):.1e} over {len(diffs)} steps")
+
+
+def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: str, args, files: list[str],
+                  num_packs: int, workdir: str) -> dict:
+    """One TorchTrainer launch; returns its step times (warmup dropped), losses and the load average around it."""
+    from ray.data import ExecutionOptions
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
     result_path = os.path.join(workdir, f"{name}-round{round_index}.json")
-    config = {"pp": pp, "threads": threads, "feed": feed, "model": BENCH_MODEL, "ds_config": ds_config,
-              "micro_batch_size": args.micro_batch_size, "grad_accum_steps": args.grad_accum,
-              "micro_batches_per_epoch": num_packs // args.micro_batch_size, "warmup": args.warmup,
-              "steps": args.steps, "files": files, "result_path": result_path}
+    config = worker_config(pp, threads, feed, args, files, num_packs, result_path)
     datasets = {}
     if feed == "ray_data":  # the production read (raytrain.dataset.stream): packed Parquet, lazily read, fixed order
         from raytrain.dataset.stream import PackedData, training_dataset
@@ -328,10 +442,18 @@ def main(argv: list[str] | None = None) -> int:
           f"= {args.micro_batch_size * m * args.seq_len} tokens/step; {args.warmup} warmup + {args.steps} timed "
           f"steps; {os.cpu_count()} CPUs; work dir {workdir}", flush=True)
     # log_to_driver off: the figures below are the output (workers' DeepSpeed/Ray Data chatter stays in Ray's logs)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # logical CPUs: 7 for the interleaved actors (idle but for the one group stepping), 4 for the launches
+    ray.init(num_cpus=8 if args.interleaved else 4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": dict(WORKER_ENV)})
     ray.data.DataContext.get_current().enable_progress_bars = False
     t_all = time.perf_counter()
+    if args.interleaved:
+        try:
+            run_interleaved(args, files, num_packs)
+        finally:
+            ray.shutdown()
+        print(f"\nbench_pipeline: {time.perf_counter() - t_all:.0f}s")
+        return 0
     runs: dict[str, list[dict]] = {name: [] for name, *_ in contenders}
     try:
         common = dict(args=args, files=files, num_packs=num_packs, workdir=workdir)
