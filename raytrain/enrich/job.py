@@ -246,7 +246,8 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
                                                 "rows_with_candidates")}},
         "tokenizer": job.dataset.tokenizer, "tokens": stats["tokens"],
         "text_with_tool_calls": {"policy": job.dataset.text_with_tool_calls, "rows": stats["dropped_text_rows"],
-                                 "turns_text_dropped": stats["dropped_text_turns"]},
+                                 "turns_text_dropped": stats["dropped_text_turns"],
+                                 "chars_text_dropped": stats["dropped_text_chars"]},
         "enriched_uri": enriched.uri, "quarantine_uri": quarantine.uri, "manifest_uri": manifest_loc.uri,
         "summary_uri": run_root.join("reports", "enrich_summary.txt").uri,
     }

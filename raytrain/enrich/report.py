@@ -103,7 +103,8 @@ def summary_text(report: dict[str, Any]) -> str:
     twt = report.get("text_with_tool_calls")
     if twt:
         lines.append(f"assistant turns with text and tool calls ({report['tokenizer']}, policy {twt['policy']}): "
-                     f"text dropped in {twt['turns_text_dropped']} turns of {twt['rows']} kept rows")
+                     f"text dropped in {twt['turns_text_dropped']} turns of {twt['rows']} kept rows "
+                     f"({twt['chars_text_dropped']} characters)")
     lines += ["", f"enriched   {report['enriched_uri']}", f"quarantine {report['quarantine_uri']}",
               f"manifest   {report['manifest_uri']}"]
     return "\n".join(lines) + "\n"

@@ -165,11 +165,12 @@ def select_context(df: DataFrame, job: JobConfig) -> StepResult:
 def tokenize_check(df: DataFrame, job: JobConfig) -> StepResult:
     """Tokenize each final conversation with the configured mistral-common tokenizer (as the pack stage will);
     rows it refuses are quarantined ("untokenizable") instead of failing Ray Data later. Adds ``num_tokens`` and
-    ``dropped_text_turns`` (dataset.text_with_tool_calls)."""
+    ``dropped_text_turns`` and ``dropped_text_chars`` (dataset.text_with_tool_calls)."""
     body = udfs.map_batches(udfs.tokenize_check_batch, tokenizer_version=job.dataset.tokenizer,
                             text_with_tool_calls=job.dataset.text_with_tool_calls)
     schema = T.StructType([*df.schema.fields, T.StructField("num_tokens", T.LongType()),
                            T.StructField("dropped_text_turns", T.LongType()),
+                           T.StructField("dropped_text_chars", T.LongType()),
                            T.StructField("status", T.StringType()), T.StructField("detail", T.StringType())])
     checked = df.mapInPandas(body, schema=schema)
     kept = checked.filter(F.col("status") == udfs.OK).drop("status", "detail")
@@ -210,17 +211,20 @@ def selection_stats(df: DataFrame) -> dict[str, dict]:
     tok = df.agg(*_agg(F.col("num_tokens"), "tok"),
                  F.sum(F.col("replaced_system_prompt").cast("long")).alias("with_candidates"),
                  F.sum("dropped_text_turns").alias("dropped_text_turns"),
+                 F.sum("dropped_text_chars").alias("dropped_text_chars"),
                  F.sum(F.when(F.col("dropped_text_turns") > 0, 1).otherwise(0)).alias("dropped_text_rows")
                  ).collect()[0]
     return {"all_sentences": _dist(row, "all"), "kept_sentences": _dist(row, "kept"),
             "question": _dist(row, "q"), "answer": _dist(row, "a"), "tokens": _dist(tok, "tok", as_int=True),
             "rows_with_candidates": int(tok["with_candidates"] or 0),
             "dropped_text_turns": int(tok["dropped_text_turns"] or 0),
+            "dropped_text_chars": int(tok["dropped_text_chars"] or 0),
             "dropped_text_rows": int(tok["dropped_text_rows"] or 0)}
 
 
 def output_columns(df: DataFrame, extra: Sequence[str] = ()) -> DataFrame:
     """The enriched table as written: identity, derived text, selection audit columns, training messages."""
     cols = ["uuid", "split", "category", "license", "reasoning", "context", "question", "answer",
-            *udfs.SELECTION_COLUMNS, "num_tokens", "dropped_text_turns", "messages_json", *extra]
+            *udfs.SELECTION_COLUMNS, "num_tokens", "dropped_text_turns", "dropped_text_chars", "messages_json",
+            *extra]
     return df.select(*cols)

@@ -217,7 +217,8 @@ def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: 
 def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str,
                          text_with_tool_calls: str = "drop_text") -> pd.DataFrame:
     """Rows -> the same rows plus ``num_tokens`` (int64, -1 when refused), ``status`` ("ok" or "untokenizable"),
-    ``detail`` (mistral-common's reason) and ``dropped_text_turns`` (int64), tokenizing ``messages_json`` exactly as
+    ``detail`` (mistral-common's reason), ``dropped_text_turns`` and ``dropped_text_chars`` (int64: the turns whose
+    text was dropped and the characters that text held), tokenizing ``messages_json`` exactly as
     the pack stage will. Assistant turns with text and tool calls are first fitted to the tokenizer
     (tokenize.fit_tool_call_turns): ``messages_json`` is rewritten when text was dropped, so the written row is
     what gets trained."""
@@ -225,7 +226,7 @@ def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str,
     from raytrain.errors import RaytrainError
 
     tokenizer = load_tokenizer(tokenizer_version)
-    num_tokens, status, detail, dropped, rewritten = [], [], [], [], []
+    num_tokens, status, detail, dropped, dropped_chars, rewritten = [], [], [], [], [], []
     for messages_json in pdf["messages_json"]:
         try:
             fitted = fit_tool_call_turns(json.loads(messages_json), tokenizer_version, text_with_tool_calls)
@@ -235,18 +236,21 @@ def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str,
             status.append(UNTOKENIZABLE)
             detail.append(str(e)[:500])
             dropped.append(0)
+            dropped_chars.append(0)
             rewritten.append(messages_json)
             continue
         num_tokens.append(tokenized.num_tokens)
         status.append(OK)
         detail.append("")
         dropped.append(fitted.dropped_text_turns)
+        dropped_chars.append(fitted.dropped_text_chars)
         rewritten.append(json.dumps(fitted.messages, ensure_ascii=False) if fitted.dropped_text_turns
                          else messages_json)
     out = pdf.copy()
     out["messages_json"] = rewritten
     out["num_tokens"] = np.asarray(num_tokens, dtype=np.int64)
     out["dropped_text_turns"] = np.asarray(dropped, dtype=np.int64)
+    out["dropped_text_chars"] = np.asarray(dropped_chars, dtype=np.int64)
     out["status"] = status
     out["detail"] = detail
     return out

@@ -45,14 +45,14 @@ def _reasons(out) -> dict:
     return counts
 
 
-def _mixed_turns(out) -> dict:
-    """uuid -> number of assistant turns with both text and tool calls (v3 cannot hold both), found in the raw
-    input, for the rows that reach the tokenization check: not planted for an earlier quarantine reason, and not
-    the dropped (larger-uuid) member of a planted duplicate pair."""
+def _mixed_turns(out, measure=lambda text: 1) -> dict:
+    """uuid -> ``measure(text)`` summed over the assistant turns with both text and tool calls (v3 cannot hold both),
+    found in the raw input, for the rows that reach the tokenization check: not planted for an earlier quarantine
+    reason, and not the dropped (larger-uuid) member of a planted duplicate pair. Default: the number of turns."""
     p = out.planted
     earlier = {r["uuid"] for kind in ("quarantine", "disallowed_license", "contaminated") for r in p[kind]}
     earlier |= {max(r["uuid"], r["duplicate_of"]) for kind in ("exact_duplicates", "near_duplicates") for r in p[kind]}
-    mixed = {row["uuid"]: sum(1 for m in row["messages"] or []
+    mixed = {row["uuid"]: sum(measure(m["content"]) for m in row["messages"] or []
                               if m["role"] == "assistant" and (m["content"] or "").strip() and m["tool_calls"])
              for row in out.raw}
     return {u: n for u, n in mixed.items() if n and u not in earlier}
@@ -80,12 +80,15 @@ def test_text_with_tool_calls_kept_with_text_dropped_and_counted(out):
     by_uuid = {r["uuid"]: r for r in out.enriched}
     assert set(mixed) <= set(by_uuid)
     assert {u: r["dropped_text_turns"] for u, r in by_uuid.items() if r["dropped_text_turns"]} == mixed
+    chars = _mixed_turns(out, measure=len)
+    assert {u: r["dropped_text_chars"] for u, r in by_uuid.items() if r["dropped_text_chars"]} == chars
     for u in mixed:
         trained = json.loads(by_uuid[u]["messages_json"])
         assert not [m for m in trained if m["role"] == "assistant" and m["content"].strip() and m["tool_calls"]]
         assert any(m["tool_calls"] for m in trained)
     assert out.report["text_with_tool_calls"] == {"policy": "drop_text", "rows": len(mixed),
-                                                  "turns_text_dropped": sum(mixed.values())}
+                                                  "turns_text_dropped": sum(mixed.values()),
+                                                  "chars_text_dropped": sum(chars.values())}
 
 
 @pytest.mark.parametrize("kind,reason", [("exact_duplicates", "exact_duplicate"), ("near_duplicates", "near_duplicate")])

@@ -170,6 +170,7 @@ def test_tokenize_check_batch_flags_what_mistral_refuses():
     out = udfs.tokenize_check_batch(pdf, "v3")
     assert out["status"].tolist() == [udfs.OK, udfs.OK]
     assert out["dropped_text_turns"].tolist() == [0, 1]
+    assert out["dropped_text_chars"].tolist() == [0, len("<think>x</think>")]
     trained = json.loads(out["messages_json"][1])
     assert trained[1]["content"] == "" and trained[1]["tool_calls"] == [call]
     assert [m for i, m in enumerate(trained) if i != 1] == [m for i, m in enumerate(both) if i != 1]
