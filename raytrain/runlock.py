@@ -3,7 +3,9 @@ checkpoints or reports under the same run name.
 
 POSIX (Lustre, GPFS, WekaFS, local): the lock is created with O_CREAT|O_EXCL, which these filesystems make atomic
 across clients. A stale lock is taken over under a second O_EXCL file (`.lock.takeover`), so of several processes
-that find the same stale lock exactly one replaces it; each re-reads the lock afterwards to confirm ownership.
+that find the same stale lock exactly one replaces it; each re-reads the lock afterwards to confirm ownership. The
+heartbeat refreshes the lock under the same marker, so its read-check-write cannot interleave with a takeover (it
+would otherwise overwrite the new holder's lock with its own); while a takeover holds the marker, a beat is skipped.
 
 S3 / HDFS (best effort): pyarrow offers no exclusive create there, so acquire is read → write → wait `settle_s` →
 re-read. Two jobs starting within `settle_s` of each other can both believe they hold the lock; the lock still
@@ -263,29 +265,13 @@ class RunLock:
 
     def _posix_take_over(self, stale_raw: str, info: LockInfo) -> bool:
         """Replace the stale lock `stale_raw` by ours under the takeover marker; False when it changed meanwhile."""
-        marker = self.run_root.join(TAKEOVER_NAME).path
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-                break
-            except FileExistsError:
-                try:
-                    age_s = time.time() - os.stat(marker).st_mtime
-                except FileNotFoundError:
-                    continue
-                if age_s > TAKEOVER_STALE_S:
-                    log.warning("removing takeover marker %s left %.0fs ago by a killed process", marker, age_s)
-                    _unlink_quiet(marker)
-                elif time.monotonic() > deadline:
-                    raise RaytrainError(
-                        f"another process is taking over {self.lock_loc.uri} right now; retry, or delete {marker} "
-                        "if it stays"
-                    ) from None
-                time.sleep(0.05)
+        marker = self._take_marker(info.token, wait_s=5.0)
+        if marker is None:
+            raise RaytrainError(
+                f"another process is taking over {self.lock_loc.uri} right now; retry, or delete "
+                f"{self.run_root.join(TAKEOVER_NAME).path} if it stays"
+            )
         try:
-            os.write(fd, info.token.encode())
-            os.close(fd)
             if self._read_raw() != stale_raw:
                 return False  # someone took it over (or released it) before we got the marker: judge again
             self.lock_loc.write_atomic(info.to_json())
@@ -323,15 +309,57 @@ class RunLock:
             if info is None:
                 return
             try:
-                current = self.holder()
-                if current is None or current.token != info.token:
-                    self.lost = True
-                    log.error("run lock %s was taken by %s; this job no longer owns the run", self.lock_loc, current)
+                if not self._beat(info):
                     return
-                beat = LockInfo(**{**asdict(info), "heartbeat": time.time()})
-                self.lock_loc.write_atomic(beat.to_json())
             except OSError as exc:  # a storage hiccup must not kill the job; the next beat retries
                 log.warning("run lock heartbeat on %s failed: %s", self.lock_loc, exc)
+
+    def _beat(self, info: LockInfo) -> bool:
+        """One heartbeat: refresh the lock if it is still ours. False when it was taken (sets `lost`)."""
+        marker = None
+        if self.run_root.is_posix:
+            marker = self._take_marker(info.token, wait_s=0.0)
+            if marker is None:
+                return True  # a takeover is deciding right now; the next beat sees its outcome
+        try:
+            current = self.holder()
+            if current is None or current.token != info.token:
+                self.lost = True
+                log.error("run lock %s was taken by %s; this job no longer owns the run", self.lock_loc, current)
+                return False
+            beat = LockInfo(**{**asdict(info), "heartbeat": time.time()})
+            self.lock_loc.write_atomic(beat.to_json())
+            return True
+        finally:
+            if marker is not None:
+                _unlink_quiet(marker)
+
+    def _take_marker(self, token: str, wait_s: float) -> str | None:
+        """Create the takeover marker (POSIX, O_EXCL) and return its path; None if another process still holds it
+        after `wait_s`. A marker older than TAKEOVER_STALE_S was left by a killed process and is removed."""
+        marker = self.run_root.join(TAKEOVER_NAME).path
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    age_s = time.time() - os.stat(marker).st_mtime
+                except FileNotFoundError:
+                    continue
+                if age_s > TAKEOVER_STALE_S:
+                    log.warning("removing takeover marker %s left %.0fs ago by a killed process", marker, age_s)
+                    _unlink_quiet(marker)
+                    continue
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
+                continue
+            try:
+                os.write(fd, token.encode())
+            finally:
+                os.close(fd)
+            return marker
 
     def _read_raw(self) -> str | None:
         try:

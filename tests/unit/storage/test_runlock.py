@@ -154,18 +154,62 @@ def test_release_leaves_a_lock_that_is_not_ours(run):
     assert _read_lock(run)["token"] == "theirs"
 
 
+def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _hold_marker(run) -> str:
+    """Hold the takeover marker as a taking-over process does (O_EXCL create)."""
+    marker = os.path.join(run.path, ".lock.takeover")
+    assert _wait_for(lambda: _try_create(marker)), "the heartbeat never let go of the takeover marker"
+    return marker
+
+
+def _try_create(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+
+
 def test_heartbeat_refreshes_and_detects_loss(run):
+    """Another process takes the lock over (under the takeover marker, as RunLock does): the heartbeat notices at
+    its next beat and leaves the new holder's lock alone (it never writes its own over it)."""
     lock = RunLock(run, stale_after_s=5, heartbeat_interval_s=0.05)
     first = lock.acquire()
     path = os.path.join(run.path, ".lock")
-    time.sleep(0.4)
-    assert _read_lock(run)["heartbeat"] > first.heartbeat
+    assert _wait_for(lambda: _read_lock(run)["heartbeat"] > first.heartbeat)
+    marker = _hold_marker(run)
     other = LockInfo("node-2", 7, time.time(), "eve", time.time(), "theirs")
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         f.write(other.to_json())
-    time.sleep(0.4)
-    assert lock.lost
+    os.replace(path + ".tmp", path)
+    os.unlink(marker)
+    assert _wait_for(lambda: lock.lost)
+    time.sleep(0.2)  # several intervals: a heartbeat that raced the takeover would have rewritten its own token
+    assert _read_lock(run)["token"] == "theirs"
     lock.release()
+    assert _read_lock(run)["token"] == "theirs"
+
+
+def test_heartbeat_skips_while_a_takeover_holds_the_marker(run):
+    lock = RunLock(run, stale_after_s=5, heartbeat_interval_s=0.05)
+    lock.acquire()
+    marker = _hold_marker(run)
+    held = _read_lock(run)["heartbeat"]
+    time.sleep(0.3)  # six intervals, every beat skipped: the lock is not written under a takeover's feet
+    assert _read_lock(run)["heartbeat"] == held and not lock.lost
+    os.unlink(marker)
+    assert _wait_for(lambda: _read_lock(run)["heartbeat"] > held)
+    assert not lock.lost and os.path.exists(os.path.join(run.path, ".lock"))
+    lock.release()
+    assert not os.path.exists(marker) and not os.path.exists(os.path.join(run.path, ".lock"))
 
 
 def test_unreadable_fresh_lock_is_refused(run):
