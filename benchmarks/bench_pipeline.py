@@ -143,12 +143,21 @@ def bench_worker_loop(config: dict) -> None:
         json.dump(measured, f)
 
 
+def join_gloo(rank: int, world_size: int, port: int) -> None:
+    """Join a gloo group of `world_size` processes on this host outside Ray Train (waits for the other ranks); the
+    env vars are what DeepSpeed's init_distributed reads when it wraps the group."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK="0",
+                      WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
 def pair_member(config: dict, port: int) -> dict:
     """A pp=1 run in a plain Ray task with its own one-process gloo group; two side by side fill both cores."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    join_gloo(0, 1, port)
     try:
         return time_steps(config, 0)
     finally:
@@ -221,11 +230,7 @@ class InterleavedStage:
     """A Ray actor hosting one rank of a pp=1 or pp=2 run in its own gloo group, stepped by the driver."""
 
     def __init__(self, config: dict, rank: int, port: int):
-        import torch.distributed as dist
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK="0",
-                          WORLD_SIZE=str(config["pp"]))
-        dist.init_process_group("gloo", rank=rank, world_size=config["pp"])  # waits for the group's other ranks
+        join_gloo(rank, config["pp"], port)
         self.runner = StageRunner(config, rank)
 
     def step(self) -> tuple[float, float, float]:
@@ -282,6 +287,15 @@ def worker_config(pp: int, threads: int, feed: str, args, files: list[str], num_
             "steps": args.steps, "files": files, "result_path": result_path}
 
 
+def packed_dataset(files: list[str], num_packs: int, seq_len: int):
+    """The production read path (raytrain.dataset.stream.training_dataset) over the benchmark's packed Parquet."""
+    from raytrain.dataset.stream import PackedData, training_dataset
+    from raytrain.storage import resolve
+
+    return training_dataset(PackedData(resolve(os.path.dirname(files[0])), tuple(files), num_packs,
+                                       num_packs * seq_len))
+
+
 def _free_port() -> int:
     import socket
 
@@ -296,14 +310,10 @@ def run_interleaved(args, files: list[str], num_packs: int) -> None:
     enter the ratios."""
     import ray
 
-    from raytrain.dataset.stream import PackedData, training_dataset
-    from raytrain.storage import resolve
-
     actor = ray.remote(num_cpus=1)(InterleavedStage)
     one, two = (worker_config(pp, 1, "memory", args, files, num_packs) for pp in (1, 2))
-    dataset = training_dataset(PackedData(resolve(os.path.dirname(files[0])), tuple(files), num_packs,
-                                          num_packs * args.seq_len))
-    streamed = {**worker_config(2, 1, "ray_data", args, files, num_packs), "dataset": dataset}
+    streamed = {**worker_config(2, 1, "ray_data", args, files, num_packs),
+                "dataset": packed_dataset(files, num_packs, args.seq_len)}
     port_memory, port_streamed = _free_port(), _free_port()
     groups = {
         "pp1-1thread": [actor.remote(one, 0, _free_port())],
@@ -362,11 +372,7 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
     config = worker_config(pp, threads, feed, args, files, num_packs, result_path)
     datasets = {}
     if feed == "ray_data":  # the production read (raytrain.dataset.stream): packed Parquet, lazily read, fixed order
-        from raytrain.dataset.stream import PackedData, training_dataset
-        from raytrain.storage import resolve
-
-        location = resolve(os.path.dirname(files[0]))
-        datasets["train"] = training_dataset(PackedData(location, tuple(files), num_packs, num_packs * args.seq_len))
+        datasets["train"] = packed_dataset(files, num_packs, args.seq_len)
     waited_s, busy = wait_for_quiet(args.quiet_busy, args.quiet_timeout)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -374,7 +380,7 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
         import ray
 
         task = ray.remote(num_cpus=threads)(pair_member)
-        pair = ray.get([task.remote(config, 29611 + 2 * round_index + i) for i in range(2)])
+        pair = ray.get([task.remote(config, _free_port()) for _ in range(2)])
         print(f"  {name:<13} round {round_index}: steps {[round(t, 2) for t in pair[0]['step_times']]} and "
               f"{[round(t, 2) for t in pair[1]['step_times']]} s (first {args.warmup} untimed), launch "
               f"{time.perf_counter() - t0:.0f}s, load {load_before:.1f}->{os.getloadavg()[0]:.1f}, waited "
