@@ -199,14 +199,19 @@ def preflight(run: Run) -> None:
         raise RaytrainError(f"train.pp={job.train.pp} stages for a model of {preset.num_hidden_layers + 3} "
                             "pipeline layers; lower train.pp")
     _check_model_fits_tokenizer(job)
-    if job.data.input_path != "sample":
-        loc = resolve(job.data.input_path, s3_endpoint=job.storage.s3_endpoint or None)
-        if not loc.exists():
-            raise RaytrainError(f"data.input_path: {loc.uri} does not exist. Point it at Nemotron-shaped Parquet "
-                                "(one folder per split) or use data.input_path=sample")
     from raytrain.dataset.stream import load_packed
 
     if load_packed(run.root.join("data", "packed"), run.data_hash) is None:
+        if job.data.input_path != "sample":
+            # Layout, splits and every file's schema from the footers: seconds, before Ray or Spark start.
+            from raytrain.enrich.inputs import discover_inputs, validate_inputs
+
+            inputs = discover_inputs(resolve(job.data.input_path, s3_endpoint=job.storage.s3_endpoint or None),
+                                     job.data.splits)
+            footers = validate_inputs(inputs)
+            for line in inputs.describe():
+                log.info("%s", line)
+            log.info("inputs: %s", ", ".join(f"{k} {v['rows']} rows" for k, v in footers.items()))
         find_java()  # Spark will run: fail now, not inside RayDP, when there is no Java
 
 

@@ -76,6 +76,22 @@ def test_missing_input_path_exits_1_before_starting_ray(tmp_path):
     assert not (root / "ci").exists(), "the run folder was created: the command got past preflight"
 
 
+def test_input_folder_without_dataset_files_exits_1_before_starting_ray(tmp_path):
+    """A folder that holds none of the accepted layouts: the error names what it found and the layouts it takes,
+    before Ray or Spark start."""
+    folder = tmp_path / "downloads"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text("not data")
+    (folder / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1")
+    root = tmp_path / "runs"
+    out = cli("run", "configs/demo.yaml", f"data.input_path={folder}", f"storage.root={root}", "storage.user=ci")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert str(folder) in out.stderr and "README.md" in out.stderr and "train-00000-of-00001.parquet" in out.stderr
+    assert "Accepted layouts" in out.stderr and "tool" in out.stderr
+    assert_no_ray_and_no_traceback(out)
+    assert not (root / "ci").exists(), "the run folder was created: the command got past preflight"
+
+
 def test_ds_config_batch_mismatch_exits_2(tmp_path):
     with open(os.path.join(REPO, "configs", "ds_config.json")) as f:
         ds = json.load(f)

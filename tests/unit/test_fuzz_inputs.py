@@ -23,7 +23,7 @@ import pytest
 
 from raytrain.config import JobConfig, load_job_config
 from raytrain.enrich.conversation import QUARANTINE_REASONS, Example, Quarantined, derive_example
-from raytrain.enrich.job import validate_inputs
+from raytrain.enrich.inputs import LAYOUT_SPLIT_FOLDERS, InputFiles, validate_inputs
 from raytrain.enrich.schema import EXAMPLE_SCHEMA, NEMOTRON_V1_SCHEMA, validate_schema
 from raytrain.errors import ConfigError, RaytrainError
 from raytrain.storage import resolve
@@ -373,6 +373,10 @@ def _good_parquet_bytes() -> bytes:
     return buf.getvalue()
 
 
+def _one_file(loc) -> InputFiles:
+    return InputFiles(root=loc.parent, layout=LAYOUT_SPLIT_FOLDERS, files={"chat": (loc,)}, missing_shards={})
+
+
 def test_fuzz_validate_inputs(tmp_path):
     rng = random.Random(5)
     good = _good_parquet_bytes()
@@ -398,7 +402,7 @@ def test_fuzz_validate_inputs(tmp_path):
         path.write_bytes(data)
         loc = resolve(str(path))
         try:
-            rows = validate_inputs({"chat": [loc]})
+            rows = validate_inputs(_one_file(loc))
         except RaytrainError as exc:
             assert loc.uri in str(exc), str(exc)  # the message names the file
             outcomes.note("RaytrainError")
@@ -407,11 +411,11 @@ def test_fuzz_validate_inputs(tmp_path):
         else:
             outcomes.note("accepted")
             # accepted means pyarrow can read the footer and it agrees on the row count
-            assert rows == {"chat": pq.ParquetFile(str(path)).metadata.num_rows}
+            assert rows == {"chat": {"files": 1, "rows": pq.ParquetFile(str(path)).metadata.num_rows}}
     outcomes.check("validate_inputs")
     assert outcomes.counts.get("accepted", 0) >= 1 and outcomes.counts.get("RaytrainError", 0) >= 100
     # a folder named like a Parquet file (Spark writes those) is an input error too, not a crash
     spark_style = tmp_path / "spark-out.parquet"
     spark_style.mkdir()
     with pytest.raises(RaytrainError):
-        validate_inputs({"chat": [resolve(str(spark_style))]})
+        validate_inputs(_one_file(resolve(str(spark_style))))
