@@ -201,7 +201,7 @@ def test_enrichment_from_s3_to_s3(roots, spark, tmp_path):
     fs = s3.filesystem
     enriched = pq.read_table(session.result.enriched.path, filesystem=fs)
     quarantine = pq.read_table(session.result.quarantine.path, filesystem=fs)
-    raw = pa.concat_tables([pq.read_table(p) for p in sample.split_paths.values()])
+    raw = pa.concat_tables([pq.read_table(p) for p in sample.all_files()])
     assert enriched.num_rows == report["rows_out"] > 0
     assert enriched.num_rows + quarantine.num_rows == raw.num_rows == report["rows_in"]
     raw_ids = sorted(u for u in raw.column("uuid").to_pylist() if u)
