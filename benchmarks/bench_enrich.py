@@ -29,12 +29,13 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     """The same steps in one process with pandas-free plain Python + sentence-transformers: returns counts."""
     import json as _json
 
+    from raytrain.dataset.length import decide_length
     from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
-    from raytrain.enrich.conversation import Example, build_training_messages, derive_example
+    from raytrain.enrich.context import answer_for_scoring, candidate_sentences, with_context_block
+    from raytrain.enrich.conversation import Example, derive_example
     from raytrain.enrich.decontam import build_eval_index, contaminated
     from raytrain.enrich.dedup import exact_key, minhash_signatures, near_duplicate_clusters
     from raytrain.enrich.relevance import load_embedder, score_batch
-    from raytrain.enrich.sentences import split_sentences
     from raytrain.errors import RaytrainError
 
     cfg = job.enrich
@@ -57,21 +58,20 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     kept = 0
     for start in range(0, len(examples), 256):  # the same 256-row batches Spark's Arrow batches have
         batch = examples[start : start + 256]
-        systems = ["\n\n".join(m["content"] for m in e.messages if m["role"] == "system" and m["content"].strip())
-                   for e in batch]
-        contexts = [split_sentences(s) for s in systems]
-        sels = score_batch(contexts, [e.question for e in batch], [e.answer for e in batch], embedder,
+        contexts = [candidate_sentences(e.messages).all for e in batch]  # enrich.system_prompt=keep
+        sels = score_batch(contexts, [e.question for e in batch], [answer_for_scoring(e.answer, cfg.answer_text)
+                                                                    for e in batch], embedder,
                            batch_size=cfg.embed_batch_size, top_k=cfg.top_k, threshold=cfg.min_score,
                            question_weight=cfg.question_weight)
         for e, sents, sel in zip(batch, contexts, sels, strict=True):
-            messages = build_training_messages(e, sel.kept(sents), replace_system_prompt=bool(sents))
+            messages = with_context_block(e.messages, sel.kept(sents))
             try:
                 fitted = fit_tool_call_turns(_json.loads(_json.dumps(messages)), job.dataset.tokenizer,
                                              job.dataset.text_with_tool_calls)
-                tokenize_conversation(fitted.messages, tokenizer, verify=False)
-                kept += 1
+                tokenized = tokenize_conversation(fitted.messages, tokenizer, verify=False)
             except (RaytrainError, ValueError):
-                pass
+                continue
+            kept += decide_length(tokenized.loss_mask, job.dataset.seq_len, job.dataset.length_policy).action != "drop"
     return {"seconds": time.perf_counter() - t0, "rows_out": kept}
 
 
@@ -130,7 +130,7 @@ def main() -> int:
     job = load_job_config(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml"), [
         f"storage.root={args.out}/runs", f"enrich.num_executors={args.executors}", "enrich.executor_cores=1",
         f"enrich.num_partitions={2 * args.executors}"])
-    rows = pa.concat_tables([pq.read_table(p) for p in sample.split_paths.values()]).to_pylist()
+    rows = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
     eval_texts = load_eval_sets([sample.eval_path])
     figures: dict = {"rows": len(rows), "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg()}
 

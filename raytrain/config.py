@@ -24,6 +24,12 @@ from raytrain.errors import ConfigError
 
 TEXT_WITH_TOOL_CALLS_POLICIES = ("drop_text", "quarantine")
 """dataset.text_with_tool_calls values (raytrain.dataset.tokenize.fit_tool_call_turns applies them)."""
+LENGTH_POLICIES = ("drop", "truncate", "split")
+"""dataset.length_policy values (raytrain.dataset.length applies them)."""
+SYSTEM_PROMPT_MODES = ("keep", "select")
+"""enrich.system_prompt values (raytrain.enrich.udfs.select_batch applies them)."""
+ANSWER_TEXTS = ("final", "full")
+"""enrich.answer_text values (raytrain.enrich.conversation.answer_for_scoring applies them)."""
 
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
 
@@ -61,8 +67,10 @@ class StorageConfig:
 @dataclass(frozen=True)
 class DataConfig:
     input_path: str = "sample"
-    """Nemotron-Post-Training-Dataset-v1-shaped Parquet: a folder with one sub-folder per split, or 'sample' to
-    generate the project's small sample dataset under the run's data folder."""
+    """Nemotron-Post-Training-Dataset-v1 Parquet (local path, file:// or s3://) in any of the layouts
+    raytrain.enrich.inputs accepts: the dataset root holding data/<split>-NNNNN-of-NNNNN.parquet (as the hub
+    publishes it; tool_calling files are tool-*), that data/ folder itself, a hub cache snapshot folder, or one
+    sub-folder per split. 'sample' generates the project's small sample dataset under the run's data folder."""
     splits: tuple[str, ...] = SPLITS
     """Which splits to read (any subset of chat, code, math, stem, tool_calling)."""
     max_rows: int = 0
@@ -91,8 +99,10 @@ class EnrichConfig:
     """Spark partitions for the enrichment (embedding batches run per partition)."""
     top_k: int = 3
     """Context sentences kept per row."""
-    min_score: float = 0.0
-    """Sentences scoring below this are dropped even when within top_k."""
+    min_score: float = 0.4
+    """Sentences scoring below this are dropped even when within top_k. With all-MiniLM-L6-v2, sentences that
+    answer the question score ~0.55-0.95 and unrelated ones ~-0.1-0.35 (the sample: answering sentences >= 0.57,
+    distractors <= 0.33), so 0.4 keeps the block free of filler such as a tool list's opening line."""
     question_weight: float = 0.5
     """score = w * cos(sentence, question) + (1 - w) * cos(sentence, answer)."""
     embedding_model: str = ""
@@ -101,8 +111,18 @@ class EnrichConfig:
     """Sentences per encode() call inside the Spark UDF."""
     licenses: tuple[str, ...] = ("cc-by-4.0", "cc-by-sa-4.0", "apache-2.0", "mit", "odc-by")
     """Row-level `license` allow-list (case-insensitive); other rows are quarantined with reason 'license'."""
-    max_chars: int = 60000
-    """Rows whose conversation is longer than this many characters are quarantined ('too_long')."""
+    max_chars: int = 1_000_000
+    """Guard against pathological rows: a conversation of more characters is quarantined ('too_long') before any
+    embedding or tokenization. Far above real rows (code/math average ~40-48 KB); the length that matters for
+    training is dataset.seq_len in tokens, applied by dataset.length_policy."""
+    system_prompt: str = "keep"
+    """'keep': every system prompt (reasoning toggles, tool lists, instructions) reaches the tokenizer verbatim and
+    the selected sentences go into a delimited context block of their own. 'select': a long prose system prompt
+    (more sentences than top_k, no tool calls in the row) is replaced by its selected sentences, reasoning-toggle
+    lines kept; the report counts the rows changed and the characters removed."""
+    answer_text: str = "final"
+    """Which answer text the answer side of the score embeds: 'final' (the text after </think>: the answer itself,
+    not the start of the reasoning trace) or 'full' (the whole final assistant turn)."""
     near_dup_threshold: float = 0.8
     """Estimated Jaccard similarity above which two rows are near-duplicates (MinHash/LSH)."""
     eval_sets: tuple[str, ...] = ()
@@ -125,6 +145,10 @@ class EnrichConfig:
         _require(self.decontam_ngram >= 3, "enrich.decontam_ngram", "must be >= 3")
         _require(self.max_chars > 0, "enrich.max_chars", "must be > 0")
         _require(self.embed_batch_size >= 1, "enrich.embed_batch_size", "must be >= 1")
+        _require(self.system_prompt in SYSTEM_PROMPT_MODES, "enrich.system_prompt",
+                 f"{self.system_prompt!r}: choose " + " or ".join(repr(m) for m in SYSTEM_PROMPT_MODES))
+        _require(self.answer_text in ANSWER_TEXTS, "enrich.answer_text",
+                 f"{self.answer_text!r}: choose " + " or ".join(repr(m) for m in ANSWER_TEXTS))
 
 
 @dataclass(frozen=True)
@@ -132,7 +156,11 @@ class DatasetConfig:
     tokenizer: str = "v3"
     """mistral-common tokenizer: 'v1' (Mistral-7B-v0.1, vocab 32000) or 'v3' (Instruct-v0.3, vocab 32768)."""
     seq_len: int = 128
-    """Tokens per packed training sequence."""
+    """Tokens per packed training sequence; also the longest conversation trained whole (see length_policy)."""
+    length_policy: str = "drop"
+    """A conversation longer than seq_len tokens: 'drop' (quarantined as 'too_many_tokens' with its token count),
+    'truncate' (keep the prompt, cut the final answer at seq_len; counted) or 'split' (cut into seq_len chunks,
+    each trained on its own: later chunks lose their question; opt-in)."""
     text_with_tool_calls: str = "drop_text"
     """v3 only (v1 keeps both): an assistant turn with text (e.g. a <think> trace) and tool calls cannot be encoded;
     'drop_text' keeps the calls and drops the text (counted in the enrich report), 'quarantine' quarantines the row."""
@@ -143,6 +171,8 @@ class DatasetConfig:
                  f"{self.text_with_tool_calls!r}: choose "
                  + " or ".join(repr(p) for p in TEXT_WITH_TOOL_CALLS_POLICIES))
         _require(self.seq_len >= 8, "dataset.seq_len", "must be >= 8")
+        _require(self.length_policy in LENGTH_POLICIES, "dataset.length_policy",
+                 f"{self.length_policy!r}: choose " + " or ".join(repr(p) for p in LENGTH_POLICIES))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ into the first open pack with room, else opens a new pack, first emitting the fu
 document follows a short one, while the bounded window keeps it streaming (memory
 O(max_open_packs * seq_len)) and deterministic. ``max_open_packs=1`` is plain sequential packing.
 
-A document longer than ``seq_len`` is cut into consecutive chunks of ``seq_len`` tokens plus a remainder;
+Before packing, ``tokenize_and_pack_batch`` applies ``dataset.length_policy`` (raytrain.dataset.length): under
+"truncate" a long conversation keeps its prompt and the first tokens of its answer, under "drop" none reaches
+packing (the enrichment quarantined them). Under "split" (opt-in), a document longer than ``seq_len`` is cut
+into consecutive chunks of ``seq_len`` tokens plus a remainder;
 each chunk is its own segment (positions restart at 0, it attends only to itself) and full chunks are
 emitted as packs of their own at once. The cost: at each cut the target of the chunk's last token is
 dropped (it lies in the next chunk), and the next chunk starts without its earlier context. No token is
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from raytrain.dataset.length import apply_length
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
 
@@ -143,6 +147,7 @@ def tokenize_and_pack_batch(
     batch: pd.DataFrame,
     tokenizer_version: str,
     seq_len: int,
+    length_policy: str,
     pad_id: int = 0,
     max_open_packs: int = 8,
 ) -> dict[str, np.ndarray]:
@@ -153,6 +158,9 @@ def tokenize_and_pack_batch(
          ``doc_ids``: (num_packs,) object array of comma-joined uuids (one per segment, in segment order;
          uuids must not contain commas);
          ``num_tokens``: (num_packs,) int64 count of real (non-padding) tokens.
+
+    ``length_policy`` (drop | truncate | split) is applied to each conversation first (raytrain.dataset.length);
+    a conversation "drop" would refuse is an error naming its uuid.
 
     Stateless per batch: the last open packs of a batch are padded and emitted rather than carried into
     the next batch, so each batch costs up to ``max_open_packs`` partly filled packs; keep batches large
@@ -169,9 +177,10 @@ def tokenize_and_pack_batch(
             try:
                 messages = json.loads(messages_json)
                 tokenized = tokenize_conversation(messages, tokenizer)
+                ids, mask = apply_length(tokenized.input_ids, tokenized.loss_mask, seq_len, length_policy, str(uuid))
             except (RaytrainError, json.JSONDecodeError, TypeError) as exc:
                 raise RaytrainError(f"conversation uuid={uuid!r} (batch row {row}): {exc}") from exc
-            yield str(uuid), tokenized.input_ids, tokenized.loss_mask
+            yield str(uuid), ids, mask
 
     packs = list(pack_documents(documents(), seq_len, pad_id=pad_id, max_open_packs=max_open_packs))
     out: dict[str, np.ndarray] = {

@@ -65,7 +65,8 @@ def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: D
         raise RaytrainError(f"no enriched Parquet under {enriched.uri}: did the enrich stage keep any row?")
     ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=["uuid", "messages_json"])
     ds = ds.map_batches(tokenize_and_pack_batch, batch_format="pandas", batch_size=TOKENIZE_BATCH_ROWS,
-                        fn_kwargs={"tokenizer_version": cfg.tokenizer, "seq_len": cfg.seq_len})
+                        fn_kwargs={"tokenizer_version": cfg.tokenizer, "seq_len": cfg.seq_len,
+                                  "length_policy": cfg.length_policy})
     ds.write_parquet(packed.path, filesystem=packed.filesystem)
     out_files = _parquet_files(packed)
     num_packs, num_tokens = 0, 0

@@ -27,9 +27,8 @@ QUARANTINE_REASONS: tuple[str, ...] = (
 )
 
 ROLES = ("system", "user", "assistant", "tool")
-# Matches EnrichConfig.max_chars; ~15k tokens, beyond any sequence length this project trains on.
-DEFAULT_MAX_CHARS = 60_000
-CONTEXT_HEADER = "Context:"
+# Matches EnrichConfig.max_chars: a guard against pathological rows, far above real ones (~40-48 KB).
+DEFAULT_MAX_CHARS = 1_000_000
 
 # Text that cannot have come from a clean UTF-8 decode: lone surrogates, the replacement character U+FFFD
 # (a decoder already gave up), and control characters other than tab/newline/carriage return (C0, DEL, C1).
@@ -289,32 +288,3 @@ def _plain(value: Any) -> str:
 def _short_repr(value: Any) -> str:
     r = repr(value)
     return r if len(r) <= 60 else r[:57] + "..."
-
-
-def build_training_messages(
-    example: Example, selected_context: list[str], *, replace_system_prompt: bool = False
-) -> list[dict]:
-    """The conversation to tokenize: ``example.messages`` with the kept context sentences added to the prompt.
-
-    In: the Example and the kept sentences, in their original order (relevance.Selection keeps that order).
-    Out: new message dicts (the Example is not modified). The sentences go into the system prompt as
-    ``"Context:\\n<s1>\\n<s2>..."``, after any existing system prompt (separated by a blank line), or as a new
-    leading system message when there is none. No sentences: the messages unchanged.
-
-    ``replace_system_prompt=True`` drops the original system prompt text first: use it when the context was
-    taken from that system prompt (as in the sample dataset), so its kept sentences are not repeated. Earlier
-    user/assistant turns always stay whole: their assistant turns are training targets.
-    """
-    messages = [_copy_message(m) for m in example.messages]
-    sentences = [s.strip() for s in selected_context if s and s.strip()]
-    if replace_system_prompt:
-        messages = [m for m in messages if m["role"] != "system"]
-    if not sentences:
-        return messages
-    block = CONTEXT_HEADER + "\n" + "\n".join(sentences)
-    if messages and messages[0]["role"] == "system":
-        existing = messages[0]["content"].rstrip()
-        messages[0]["content"] = f"{existing}\n\n{block}" if existing else block
-    else:
-        messages.insert(0, {"role": "system", "content": block, "tool_calls": []})
-    return messages

@@ -42,8 +42,8 @@ import pyarrow.parquet as pq
 
 from raytrain.config import JobConfig
 from raytrain.enrich.decontam import build_eval_index, load_eval_sets
+from raytrain.enrich.inputs import discover_inputs, validate_inputs
 from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, merge_reasons, summary_text
-from raytrain.enrich.schema import validate_schema
 from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation, resolve
 from raytrain.telemetry import record_enrich_step, record_quarantine
@@ -61,40 +61,6 @@ class EnrichResult:
     """Folder of the quarantine Parquet files."""
     report: dict[str, Any] = field(default_factory=dict)
     """The run report (see module docstring); the runner writes it to reports/enrich_report.json."""
-
-
-def list_input_files(input_root: StorageLocation, splits: tuple[str, ...]) -> dict[str, list[StorageLocation]]:
-    """`<root>/<split>/*.parquet` for each requested split; a missing split or empty folder is an error."""
-    if not input_root.exists():
-        raise RaytrainError(f"data.input_path: {input_root.uri} does not exist. Point it at a folder with one "
-                            f"sub-folder per split ({', '.join(splits)}) or use data.input_path=sample.")
-    files: dict[str, list[StorageLocation]] = {}
-    for split in splits:
-        split_dir = input_root.join(split)
-        names = sorted(n for n in (split_dir.listdir() if split_dir.is_dir() else []) if n.endswith(".parquet"))
-        if not names:
-            raise RaytrainError(f"data.splits: no Parquet files under {split_dir.uri} for split {split!r}. "
-                                f"Drop {split!r} from data.splits or add its files.")
-        files[split] = [split_dir.join(n) for n in names]
-    return files
-
-
-def validate_inputs(files: dict[str, list[StorageLocation]]) -> dict[str, int]:
-    """Check every file's schema from its footer (no rows read); returns the row count per split.
-
-    Raises RaytrainError naming the file and the offending column (schema.validate_schema)."""
-    rows: dict[str, int] = {}
-    for split, locs in files.items():
-        rows[split] = 0
-        for loc in locs:
-            try:
-                with loc.filesystem.open_input_file(loc.path) as f:  # seekable: Parquet reads the footer
-                    meta = pq.ParquetFile(f).metadata
-            except Exception as e:  # pyarrow raises ArrowInvalid/OSError (a directory, non-Parquet bytes)
-                raise RaytrainError(f"{loc.uri}: not a readable Parquet file ({e}). Fix or remove it.") from None
-            validate_schema(meta.schema.to_arrow_schema(), loc.uri)
-            rows[split] += meta.num_rows
-    return rows
 
 
 @dataclass(frozen=True)
@@ -136,8 +102,9 @@ class EnrichSession:
     frame: Any
 
 
-def _materialize(step, rows_in: int, t0: float, prev_kept) -> tuple[Any, StepCounts]:
-    """Persist and count a step's outputs (running it once), unpersist what the step no longer needs."""
+def _materialize(step, rows_in: int, t0: float, prev_kept) -> tuple[Any, StepCounts, dict[str, Any] | None]:
+    """Persist and count a step's outputs (running it once), compute the step's statistics (``step.stats``) on
+    its shared frame, unpersist what the step no longer needs."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
@@ -148,6 +115,7 @@ def _materialize(step, rows_in: int, t0: float, prev_kept) -> tuple[Any, StepCou
     quarantined = step.quarantined.persist(StorageLevel.MEMORY_AND_DISK)
     per_reason = {r["reason"]: int(r["count"]) for r in quarantined.groupBy("reason").agg(F.count("*").alias("count"))
                   .collect()}
+    stats = step.stats(step.shared) if step.stats is not None else None
     if step.shared is not None:
         step.shared.unpersist()
     if prev_kept is not None:
@@ -156,7 +124,7 @@ def _materialize(step, rows_in: int, t0: float, prev_kept) -> tuple[Any, StepCou
     log.info("enrich step %-15s %7d in -> %7d kept, %d quarantined %s (%.1fs)", step.name, rows_in, rows_out,
              sum(per_reason.values()), per_reason or "", counts.seconds)
     counts.check()
-    return kept, counts
+    return kept, counts, stats
 
 
 def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
@@ -170,10 +138,14 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
 
     t_start = time.perf_counter()
     cfg = job.enrich
-    files = list_input_files(input_root, job.data.splits)
-    rows_per_split = validate_inputs(files)
+    inputs = discover_inputs(input_root, job.data.splits)
+    footers = validate_inputs(inputs)
+    files = inputs.files
+    rows_per_split = {k: v["rows"] for k, v in footers.items()}
     if job.data.max_rows:
         rows_per_split = {k: min(v, job.data.max_rows) for k, v in rows_per_split.items()}
+    for line in inputs.describe():
+        log.info("enrich: %s", line)
     rows_in = sum(rows_per_split.values())
     evals = load_eval_texts(tuple(cfg.eval_sets if eval_sets is None else eval_sets), input_root,
                             job.storage.s3_endpoint or None)
@@ -194,11 +166,13 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         lambda df: steps.select_context(df, job),
         lambda df: steps.tokenize_check(df, job),
     ]
-    df, prev, n, counts, quarantined = raw, None, rows_in, [], []
+    df, prev, n, counts, quarantined, step_stats = raw, None, rows_in, [], [], {}
     for make_step in chain:
         t0 = time.perf_counter()
         step = make_step(df)
-        df, c = _materialize(step, n, t0, prev)
+        df, c, extra = _materialize(step, n, t0, prev)
+        if extra is not None:
+            step_stats[step.name] = extra
         prev, n = df, c.rows_out
         counts.append(c)
         record_enrich_step(job.storage.run_name, c.step, c.rows_in, c.seconds)  # dashboard: rows/s per step
@@ -232,22 +206,37 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         pq.read_table(quarantine.path, filesystem=quarantine.filesystem, columns=["uuid", "split", "reason", "detail"],
                       filters=[("reason", "=", "contaminated")]).to_pylist(), key=lambda r: r["uuid"])]
     stats = steps.selection_stats(spark.read.parquet(enriched.spark_uri))
+    quarantined_per_split: dict[str, dict[str, int]] = {}
+    for r in spark.read.parquet(quarantine.spark_uri).groupBy("split", "reason").count().collect():
+        quarantined_per_split.setdefault(r["split"], {})[r["reason"]] = int(r["count"])
     config_hash = enrich_config_hash(job)
     manifest_loc = enriched.join(MANIFEST)
     report: dict[str, Any] = {
         "run_uri": run_root.uri, "config_hash": config_hash,
         "rows_in": rows_in, "rows_in_per_split": rows_per_split, "rows_out": rows_out,
         "quarantined": per_reason, "quarantined_total": sum(per_reason.values()),
+        "quarantined_per_split": {k: dict(sorted(v.items())) for k, v in sorted(quarantined_per_split.items())},
+        "rows_out_per_split": {k: v["rows"] for k, v in stats["per_split"].items()},
         "steps": [c.to_dict() for c in counts], "dedup_ratio": dedup_ratio(counts),
         "decontamination": {"count": len(contaminated), "ngram": cfg.decontam_ngram, "eval_sets": evals.sources,
                             "eval_ngrams": len(eval_index), "rows": contaminated},
         "similarity": {"question_weight": cfg.question_weight, "top_k": cfg.top_k, "min_score": cfg.min_score,
+                       "system_prompt": cfg.system_prompt, "answer_text": cfg.answer_text,
                        **{k: stats[k] for k in ("all_sentences", "kept_sentences", "question", "answer",
-                                                "rows_with_candidates")}},
+                                                "rows_with_candidates", "rows_with_context_added",
+                                                "rows_chunked", "texts_chunked",
+                                                "system_prompts_changed", "system_prompt_chars_removed")},
+                       "per_split": {split: {k: v for k, v in d.items() if k != "tokens"}
+                                     for split, d in stats["per_split"].items()}},
         "tokenizer": job.dataset.tokenizer, "tokens": stats["tokens"],
+        "length": {"policy": job.dataset.length_policy, "seq_len": job.dataset.seq_len,
+                   **step_stats.get("tokenize_check", {"overall": {}, "per_split": {}})},
         "text_with_tool_calls": {"policy": job.dataset.text_with_tool_calls, "rows": stats["dropped_text_rows"],
                                  "turns_text_dropped": stats["dropped_text_turns"],
                                  "chars_text_dropped": stats["dropped_text_chars"]},
+        "inputs": {"layout": inputs.layout, "root": inputs.root.uri,
+                   "files": {k: [loc.name for loc in v] for k, v in files.items()},
+                   "missing_shards": inputs.missing_shards, "rows_in_files": {k: v["rows"] for k, v in footers.items()}},
         "enriched_uri": enriched.uri, "quarantine_uri": quarantine.uri, "manifest_uri": manifest_loc.uri,
         "summary_uri": run_root.join("reports", "enrich_summary.txt").uri,
     }
@@ -287,7 +276,7 @@ def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLoc
     from raytrain.enrich.spark import spark_session
 
     # Fail on bad inputs (and missing s3a jars) in seconds, before a JVM starts.
-    validate_inputs(list_input_files(input_root, job.data.splits))
+    validate_inputs(discover_inputs(input_root, job.data.splits))
     configs = input_root.spark_conf | run_root.spark_conf | spark_jar_configs(job.enrich.spark_jars,
                                                                                (input_root, run_root))
     with spark_session(job.enrich, extra_configs=configs) as spark:

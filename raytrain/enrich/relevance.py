@@ -6,6 +6,13 @@ their original order. The math is numpy on plain arrays; the embedder is any obj
 style ``encode(texts, batch_size=..., convert_to_numpy=True, show_progress_bar=False) -> (n, d)``.
 In Spark, ``load_embedder`` runs once per Python worker (module-level cache) and ``score_batch`` once per
 Arrow batch, so a batch of rows costs one ``encode`` call.
+
+Long texts are never cut silently. all-MiniLM-L6-v2 reads at most ``max_seq_length`` (256) word pieces, [CLS] and
+[SEP] included, and ``encode`` drops the rest without a word. A text longer than that is split at word boundaries
+into chunks of at most 254 word pieces (``chunk_text``), each chunk is embedded, and the text's embedding is the
+mean of the chunks' unit embeddings weighted by their word pieces, scaled back to unit length
+(``combine_chunks``): every part of the text counts in proportion to its length. ``embed_texts`` does this for a
+batch and says how many chunks each text took; the report counts the chunked texts.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ class Selection:
     """(num_sentences,) float32 cosine similarity to the question."""
     a_scores: np.ndarray
     """(num_sentences,) float32 cosine similarity to the answer."""
+    chunked_texts: int = 0
+    """How many of the row's texts (sentences, question, answer) were longer than the model reads and were
+    embedded in chunks."""
 
     def kept(self, sentences: Sequence[str]) -> list[str]:
         """The kept sentences' text, in original order."""
@@ -182,14 +192,16 @@ def score_batch(
     a_slots = [slot(a) for a in answers]
     if not index:
         return []
+    # Rows without candidates need no embedding at all: only texts of rows with sentences are encoded.
+    needed = sorted({i for sents, q, a in zip(sent_slots, q_slots, a_slots, strict=True) if sents
+                     for i in (*sents, q, a)})
     texts = list(index)  # dicts keep insertion order, so texts[i] has slot i
-    emb = np.asarray(
-        embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False),
-        dtype=np.float32,
-    )  # (U, d)
-    if emb.ndim != 2 or emb.shape[0] != len(texts):
-        raise RaytrainError(f"score_batch: embedder returned shape {emb.shape} for {len(texts)} texts")
-    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), _NORM_EPS)  # (U, d) unit rows
+    emb = np.zeros((len(texts), 0), dtype=np.float32)
+    num_chunks = np.ones(len(texts), dtype=np.int64)
+    if needed:
+        got, chunks = embed_texts([texts[i] for i in needed], embedder, batch_size)
+        emb = np.zeros((len(texts), got.shape[1]), dtype=np.float32)  # (U, d) unit rows where needed
+        emb[needed], num_chunks[needed] = got, chunks
     out = []
     for sents, qs, as_ in zip(sent_slots, q_slots, a_slots, strict=True):
         if not sents:
@@ -199,5 +211,79 @@ def score_batch(
         sims = emb[sents] @ emb[[qs, as_]].T  # (S, 2) cosine, rows already unit length
         q_scores, a_scores = sims[:, 0].copy(), sims[:, 1].copy()
         scores = (question_weight * q_scores + (1.0 - question_weight) * a_scores).astype(np.float32)
-        out.append(Selection(_select(scores, top_k, threshold), scores, q_scores, a_scores))
+        chunked = int((num_chunks[[*sents, qs, as_]] > 1).sum())
+        out.append(Selection(_select(scores, top_k, threshold), scores, q_scores, a_scores, chunked))
     return out
+
+
+def max_word_pieces(embedder: Any) -> int:
+    """Word pieces of text the model reads in one pass: max_seq_length less [CLS] and [SEP]."""
+    return int(embedder.max_seq_length) - 2
+
+
+def chunk_text(text: str, tokenizer: Any, max_pieces: int) -> list[tuple[str, int]]:
+    """Split ``text`` into chunks of at most ``max_pieces`` word pieces, cut between words (a word is cut only
+    when it alone is longer than a chunk). Out: [(chunk text, its word pieces)], whitespace at the cuts dropped;
+    one chunk (the text itself) when it fits."""
+    def count(piece: str) -> int:
+        # verbose=False: the "longer than the specified maximum sequence length" warning is what chunking is for
+        return len(tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"])
+
+    if len(text) <= max_pieces:  # every word piece covers at least one character
+        return [(text, count(text))]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    offsets, words = enc["offset_mapping"], enc.word_ids()
+    n = len(offsets)
+    if n <= max_pieces:
+        return [(text, n)]
+    chunks: list[tuple[str, int]] = []
+    start = 0
+    while start < n:
+        end = min(start + max_pieces, n)
+        if end < n:  # back off to the start of the word that `end` would cut, unless that empties the chunk
+            cut = end
+            while cut > start and words[cut] == words[cut - 1]:
+                cut -= 1
+            end = cut if cut > start else end
+        piece = text[offsets[start][0] : offsets[end - 1][1]]
+        pieces = count(piece)
+        while pieces > max_pieces:  # a word cut mid-way can re-tokenize into more pieces: shrink until it fits
+            end -= 1
+            piece = text[offsets[start][0] : offsets[end - 1][1]]
+            pieces = count(piece)
+        chunks.append((piece, pieces))
+        start = end
+    return chunks
+
+
+def combine_chunks(chunk_emb: np.ndarray, weights: Sequence[int]) -> np.ndarray:
+    """(C, d) chunk embeddings + word pieces per chunk -> (d,) unit vector: the piece-weighted mean of the unit
+    chunk embeddings, normalized."""
+    unit = chunk_emb / np.maximum(np.linalg.norm(chunk_emb, axis=1, keepdims=True), _NORM_EPS)  # (C, d)
+    mean = (np.asarray(weights, dtype=np.float32)[:, None] * unit).sum(axis=0)  # (d,)
+    return mean / max(float(np.linalg.norm(mean)), _NORM_EPS)
+
+
+def embed_texts(texts: Sequence[str], embedder: Any, batch_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """Unit embeddings of ``texts`` with ONE ``encode`` call over all their chunks (see the module docstring).
+
+    Out: (N, d) float32 unit rows, and (N,) int64 chunks per text (1 = the text fit the model)."""
+    limit = max_word_pieces(embedder)
+    pieces: list[str] = []
+    spans: list[tuple[int, list[int]]] = []  # per text: (first chunk row, word pieces per chunk)
+    for text in texts:
+        chunks = chunk_text(text, embedder.tokenizer, limit) if text else [(text, 0)]
+        spans.append((len(pieces), [c for _, c in chunks]))
+        pieces.extend(t for t, _ in chunks)
+    emb = np.asarray(
+        embedder.encode(pieces, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False),
+        dtype=np.float32,
+    )  # (P, d)
+    if emb.ndim != 2 or emb.shape[0] != len(pieces):
+        raise RaytrainError(f"embed_texts: embedder returned shape {emb.shape} for {len(pieces)} texts")
+    out = np.zeros((len(texts), emb.shape[1]), dtype=np.float32)  # (N, d)
+    for i, (first, counts) in enumerate(spans):
+        block = emb[first : first + len(counts)]  # (C, d)
+        out[i] = combine_chunks(block, [max(c, 1) for c in counts]) if len(counts) > 1 else \
+            block[0] / max(float(np.linalg.norm(block[0])), _NORM_EPS)
+    return out, np.asarray([len(c) for _, c in spans], dtype=np.int64)

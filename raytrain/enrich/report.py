@@ -67,7 +67,43 @@ def dedup_ratio(steps: list[StepCounts]) -> float:
 def _fmt_dist(d: dict[str, Any], digits: int = 3) -> str:
     if not d.get("count"):
         return "none"
-    return "  ".join(f"{k} {d[k]:.{digits}f}" for k in ("min", "p50", "p90", "max")) + f"  (n={d['count']})"
+    keys = ("min", "p50", "p90", "p99", "max") if "p99" in d else ("min", "p50", "p90", "max")
+    return "  ".join(f"{k} {d[k]:.{digits}f}" for k in keys) + f"  (n={d['count']})"
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.0f}%" if whole else "-"
+
+
+def _split_lines(report: dict[str, Any]) -> list[str]:
+    """Per split: input files and rows, kept/quarantined, context coverage, token lengths and the length policy."""
+    files = report.get("inputs", {}).get("files", {})
+    kept = report.get("rows_out_per_split", {})
+    bad = report.get("quarantined_per_split", {})
+    sim = report["similarity"].get("per_split", {})
+    length = report.get("length", {})
+    lines = [f"{'split':<13}{'files':>6}{'rows in':>9}{'kept':>7}{'quar.':>7}{'context':>9}{'added':>7}{'chunked':>9}"
+             f"{'tok p50':>9}{'p90':>7}{'p99':>7}{'max':>8}  length policy ({length.get('policy', '?')}, "
+             f"seq_len {length.get('seq_len', '?')})"]
+    for split, rows_in in report.get("rows_in_per_split", {}).items():
+        s = sim.get(split, {})
+        n_kept = kept.get(split, 0)
+        lp = length.get("per_split", {}).get(split, {})
+        tok = lp.get("tokens", {})
+        effects = []
+        if lp.get("rows_dropped"):
+            effects.append(f"dropped {lp['rows_dropped']} rows / {lp['tokens_dropped']} tokens")
+        if lp.get("rows_truncated"):
+            effects.append(f"truncated {lp['rows_truncated']} rows (-{lp['tokens_truncated']} tokens)")
+        if lp.get("rows_split"):
+            effects.append(f"split {lp['rows_split']} rows into {lp['split_chunks']} chunks")
+        tok_cols = (f"{tok['p50']:>9.0f}{tok['p90']:>7.0f}{tok['p99']:>7.0f}{tok['max']:>8}" if tok.get("count")
+                    else f"{'-':>9}{'-':>7}{'-':>7}{'-':>8}")
+        lines.append(f"{split:<13}{len(files.get(split, [])):>6}{rows_in:>9}{n_kept:>7}"
+                     f"{sum(bad.get(split, {}).values()):>7}{_pct(s.get('rows_with_candidates', 0), n_kept):>9}"
+                     f"{_pct(s.get('rows_with_context_added', 0), n_kept):>7}"
+                     f"{s.get('texts_chunked', 0):>9}{tok_cols}  {', '.join(effects) or 'all fit'}")
+    return lines
 
 
 def summary_text(report: dict[str, Any]) -> str:
@@ -77,9 +113,12 @@ def summary_text(report: dict[str, Any]) -> str:
         f"rows in {report['rows_in']} ("
         + ", ".join(f"{k} {v}" for k, v in report.get("rows_in_per_split", {}).items())
         + f") -> kept {report['rows_out']}, quarantined {report['quarantined_total']}",
-        "",
-        f"{'step':<16}{'in':>8}{'out':>8}{'s':>8}  quarantined",
     ]
+    inputs = report.get("inputs")
+    if inputs:
+        lines.append(f"inputs: {inputs['layout']} layout at {inputs['root']}")
+        lines += [f"  {k}: missing shards {', '.join(v)}" for k, v in inputs.get("missing_shards", {}).items()]
+    lines += ["", *_split_lines(report), "", f"{'step':<16}{'in':>8}{'out':>8}{'s':>8}  quarantined"]
     for s in report["steps"]:
         q = ", ".join(f"{k} {v}" for k, v in s["quarantined"].items()) or "-"
         lines.append(f"{s['step']:<16}{s['rows_in']:>8}{s['rows_out']:>8}{s['seconds']:>8.1f}  {q}")
@@ -95,11 +134,22 @@ def summary_text(report: dict[str, Any]) -> str:
     if len(dec["rows"]) > 20:
         lines.append(f"  ... {len(dec['rows']) - 20} more in the JSON report")
     sim = report["similarity"]
-    lines += ["", f"similarity (combined score, w_question={sim['question_weight']}):",
+    lines += ["", f"similarity (combined score, w_question={sim['question_weight']}, answer side: "
+                  f"{sim.get('answer_text', 'full')} answer, system prompts: {sim.get('system_prompt', 'keep')}):",
               f"  all candidate sentences  {_fmt_dist(sim['all_sentences'])}",
               f"  kept sentences           {_fmt_dist(sim['kept_sentences'])}",
-              f"  rows with a system prompt to select from: {sim['rows_with_candidates']} of {report['rows_out']}",
-              f"tokens per row ({report['tokenizer']}): {_fmt_dist(report['tokens'], 0)}"]
+              f"  rows with context to select from: {sim['rows_with_candidates']} of {report['rows_out']} "
+              f"({_pct(sim['rows_with_candidates'], report['rows_out'])}), given a context block (a sentence at or "
+              f"above min_score {sim.get('min_score', 0)}): {sim.get('rows_with_context_added', 0)}",
+              f"  texts longer than the embedding model reads, embedded in chunks: {sim.get('texts_chunked', 0)} "
+              f"(in {sim.get('rows_chunked', 0)} rows)"]
+    if sim.get("system_prompt") == "select":
+        lines.append(f"  system prompts trimmed to their selected sentences: {sim['system_prompts_changed']} rows, "
+                     f"{sim['system_prompt_chars_removed']} characters removed")
+    for split, d in sim.get("per_split", {}).items():
+        lines.append(f"  {split:<13} all {_fmt_dist(d['all_sentences'])}")
+        lines.append(f"  {'':<13} kept {_fmt_dist(d['kept_sentences'])}")
+    lines.append(f"tokens per kept row ({report['tokenizer']}): {_fmt_dist(report['tokens'], 0)}")
     twt = report.get("text_with_tool_calls")
     if twt:
         lines.append(f"assistant turns with text and tool calls ({report['tokenizer']}, policy {twt['policy']}): "

@@ -10,8 +10,9 @@ schemas, windows, groupings, joins. Only the enrich stage imports pyspark.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -27,14 +28,13 @@ NUM_PERM = 128  # MinHash permutations: standard error of the Jaccard estimate ~
 SHINGLE_CHARS = 5  # character 5-grams of the normalized text
 
 _WORK_SCHEMA = ("row_id long, split string, uuid string, category string, license string, reasoning string, "
-                "context string, question string, answer string, system_text string, text string, "
-                "messages_json string")
+                "context string, question string, answer string, text string, messages_json string")
 _DERIVED_SCHEMA = ("row_id long, split string, uuid string, category string, license string, reasoning string, "
                    "status string, detail string, context string, question string, answer string, "
-                   "system_text string, text string, messages_json string")
+                   "text string, messages_json string")
 _SELECTION_SCHEMA = ("context_sentences array<string>, kept_indices array<int>, kept_sentences array<string>, "
                      "sentence_scores array<float>, question_scores array<float>, answer_scores array<float>, "
-                     "replaced_system_prompt boolean")
+                     "chunked_texts long, system_prompt_chars_removed long")
 QUARANTINE_COLUMNS = ("uuid", "split", "category", "reason", "detail")
 
 
@@ -48,6 +48,8 @@ class StepResult:
     shared: DataFrame | None = None
     """A frame both outputs are computed from: the job persists it while it materializes them (so the expensive
     part runs once) and unpersists it afterwards."""
+    stats: Callable[[DataFrame], dict[str, Any]] | None = None
+    """Statistics the report needs from ``shared`` (quarantined rows included), computed while it is persisted."""
 
 
 def _quarantine(df: DataFrame, reason: F.Column | str, detail: F.Column) -> DataFrame:
@@ -156,6 +158,7 @@ def select_context(df: DataFrame, job: JobConfig) -> StepResult:
     cfg = job.enrich
     body = udfs.map_batches(udfs.select_batch, model_path=cfg.embedding_model, batch_size=cfg.embed_batch_size,
                             top_k=cfg.top_k, min_score=cfg.min_score, question_weight=cfg.question_weight,
+                            system_prompt=cfg.system_prompt, answer_text=cfg.answer_text,
                             num_threads=cfg.executor_cores)
     selected = df.mapInPandas(body, schema=_WORK_SCHEMA + ", " + _SELECTION_SCHEMA)
     none = df.sparkSession.createDataFrame([], schema=", ".join(f"{c} string" for c in QUARANTINE_COLUMNS))
@@ -163,19 +166,23 @@ def select_context(df: DataFrame, job: JobConfig) -> StepResult:
 
 
 def tokenize_check(df: DataFrame, job: JobConfig) -> StepResult:
-    """Tokenize each final conversation with the configured mistral-common tokenizer (as the pack stage will);
-    rows it refuses are quarantined ("untokenizable") instead of failing Ray Data later. Adds ``num_tokens`` and
-    ``dropped_text_turns`` and ``dropped_text_chars`` (dataset.text_with_tool_calls)."""
-    body = udfs.map_batches(udfs.tokenize_check_batch, tokenizer_version=job.dataset.tokenizer,
-                            text_with_tool_calls=job.dataset.text_with_tool_calls)
-    schema = T.StructType([*df.schema.fields, T.StructField("num_tokens", T.LongType()),
-                           T.StructField("dropped_text_turns", T.LongType()),
-                           T.StructField("dropped_text_chars", T.LongType()),
+    """Tokenize each final conversation with the configured mistral-common tokenizer (as the pack stage will) and
+    apply dataset.length_policy; rows it refuses are quarantined ("untokenizable") instead of failing Ray Data
+    later, rows the policy drops as "too_many_tokens" with their token count. Adds ``num_tokens``,
+    ``train_tokens``, ``length_action``, ``dropped_text_turns`` and ``dropped_text_chars``
+    (udfs.tokenize_check_batch)."""
+    ds = job.dataset
+    body = udfs.map_batches(udfs.tokenize_check_batch, tokenizer_version=ds.tokenizer, seq_len=ds.seq_len,
+                            length_policy=ds.length_policy, text_with_tool_calls=ds.text_with_tool_calls)
+    schema = T.StructType([*df.schema.fields,
+                           *(T.StructField(c, T.LongType()) for c in udfs.INT_TOKEN_COLUMNS),
+                           T.StructField("length_action", T.StringType()),
                            T.StructField("status", T.StringType()), T.StructField("detail", T.StringType())])
     checked = df.mapInPandas(body, schema=schema)
     kept = checked.filter(F.col("status") == udfs.OK).drop("status", "detail")
     bad = checked.filter(F.col("status") != udfs.OK)
-    return StepResult("tokenize_check", kept, _quarantine(bad, F.col("status"), F.col("detail")), shared=checked)
+    return StepResult("tokenize_check", kept, _quarantine(bad, F.col("status"), F.col("detail")), shared=checked,
+                      stats=lambda frame: length_stats(frame, ds.seq_len))
 
 
 def _dist(row, prefix: str, as_int: bool = False) -> dict[str, float]:
@@ -185,7 +192,7 @@ def _dist(row, prefix: str, as_int: bool = False) -> dict[str, float]:
     conv = int if as_int else (lambda v: round(float(v), 6))
     pct = row[f"{prefix}_pct"]
     out = {"count": n, "min": conv(row[f"{prefix}_min"]), "p50": round(float(pct[0]), 6),
-           "p90": round(float(pct[1]), 6), "max": conv(row[f"{prefix}_max"])}
+           "p90": round(float(pct[1]), 6), "p99": round(float(pct[2]), 6), "max": conv(row[f"{prefix}_max"])}
     if as_int:
         out["sum"] = int(row[f"{prefix}_sum"])
     return out
@@ -195,36 +202,81 @@ def _agg(col: F.Column, prefix: str) -> list[F.Column]:
     # exact percentiles: the columns are small numbers per row, and a data team audits these
     return [F.count(col).alias(f"{prefix}_count"), F.min(col).alias(f"{prefix}_min"),
             F.max(col).alias(f"{prefix}_max"), F.sum(col).alias(f"{prefix}_sum"),
-            F.percentile(col, F.array(F.lit(0.5), F.lit(0.9))).alias(f"{prefix}_pct")]
+            F.percentile(col, F.array(F.lit(0.5), F.lit(0.9), F.lit(0.99))).alias(f"{prefix}_pct")]
 
 
-def selection_stats(df: DataFrame) -> dict[str, dict]:
-    """Distributions (count/min/p50/p90/max) of the selection scores, over every candidate sentence and over the
-    kept ones, of the question/answer similarities, and of num_tokens per row; two Spark jobs."""
-    per_sentence = df.select(F.explode(F.arrays_zip(
+def _count_if(cond: F.Column, alias: str, value: F.Column | None = None) -> F.Column:
+    return F.sum(F.when(cond, F.lit(1) if value is None else value).otherwise(0)).alias(alias)
+
+
+def _by_split(rows, convert) -> dict[str, Any]:
+    """Rows of a ``rollup("split")`` -> {"overall": convert(total row), "per_split": {split: convert(row)}}."""
+    out: dict[str, Any] = {"overall": {}, "per_split": {}}
+    for r in rows:
+        if r["split"] is None:
+            out["overall"] = convert(r)
+        else:
+            out["per_split"][r["split"]] = convert(r)
+    out["per_split"] = dict(sorted(out["per_split"].items()))
+    return out
+
+
+def selection_stats(df: DataFrame) -> dict[str, Any]:
+    """Over the enriched rows, overall and per split (two Spark jobs, rollups): distributions (count/min/p50/p90/
+    p99/max) of the combined score over every candidate sentence and over the kept ones, of the question/answer
+    similarities, and of num_tokens; rows that had candidates, texts embedded in chunks, system prompts changed
+    (enrich.system_prompt=select) and text dropped for tool calls."""
+    per_sentence = df.select("split", F.explode(F.arrays_zip(
         "sentence_scores", "question_scores", "answer_scores",
         F.expr("transform(sentence_scores, (s, i) -> array_contains(kept_indices, i))").alias("kept"),
-    )).alias("z")).select("z.*")
+    )).alias("z")).select("split", "z.*")
     kept_score = F.when(F.col("kept"), F.col("sentence_scores"))
-    row = per_sentence.agg(*_agg(F.col("sentence_scores"), "all"), *_agg(kept_score, "kept"),
-                           *_agg(F.col("question_scores"), "q"), *_agg(F.col("answer_scores"), "a")).collect()[0]
-    tok = df.agg(*_agg(F.col("num_tokens"), "tok"),
-                 F.sum(F.col("replaced_system_prompt").cast("long")).alias("with_candidates"),
-                 F.sum("dropped_text_turns").alias("dropped_text_turns"),
-                 F.sum("dropped_text_chars").alias("dropped_text_chars"),
-                 F.sum(F.when(F.col("dropped_text_turns") > 0, 1).otherwise(0)).alias("dropped_text_rows")
-                 ).collect()[0]
-    return {"all_sentences": _dist(row, "all"), "kept_sentences": _dist(row, "kept"),
-            "question": _dist(row, "q"), "answer": _dist(row, "a"), "tokens": _dist(tok, "tok", as_int=True),
-            "rows_with_candidates": int(tok["with_candidates"] or 0),
-            "dropped_text_turns": int(tok["dropped_text_turns"] or 0),
-            "dropped_text_chars": int(tok["dropped_text_chars"] or 0),
-            "dropped_text_rows": int(tok["dropped_text_rows"] or 0)}
+    scores = _by_split(per_sentence.rollup("split").agg(
+        *_agg(F.col("sentence_scores"), "all"), *_agg(kept_score, "kept"), *_agg(F.col("question_scores"), "q"),
+        *_agg(F.col("answer_scores"), "a")).collect(),
+        lambda r: {"all_sentences": _dist(r, "all"), "kept_sentences": _dist(r, "kept"), "question": _dist(r, "q"),
+                   "answer": _dist(r, "a")})
+    rows = _by_split(df.rollup("split").agg(
+        F.count("*").alias("rows"), *_agg(F.col("num_tokens"), "tok"),
+        _count_if(F.size("context_sentences") > 0, "rows_with_candidates"),
+        _count_if(F.size("kept_sentences") > 0, "rows_with_context_added"),
+        _count_if(F.col("chunked_texts") > 0, "rows_chunked"), F.sum("chunked_texts").alias("texts_chunked"),
+        _count_if(F.col("system_prompt_chars_removed") > 0, "system_prompts_changed"),
+        F.sum("system_prompt_chars_removed").alias("system_prompt_chars_removed"),
+        F.sum("dropped_text_turns").alias("dropped_text_turns"), F.sum("dropped_text_chars").alias("dropped_text_chars"),
+        _count_if(F.col("dropped_text_turns") > 0, "dropped_text_rows")).collect(),
+        lambda r: {"rows": int(r["rows"]), "tokens": _dist(r, "tok", as_int=True),
+                   **{k: int(r[k] or 0) for k in ("rows_with_candidates", "rows_with_context_added",
+                                                  "rows_chunked", "texts_chunked",
+                                                  "system_prompts_changed", "system_prompt_chars_removed",
+                                                  "dropped_text_turns", "dropped_text_chars", "dropped_text_rows")}})
+    empty_scores = {"all_sentences": {"count": 0}, "kept_sentences": {"count": 0}, "question": {"count": 0},
+                    "answer": {"count": 0}}
+    overall = {**rows["overall"], **(scores["overall"] or empty_scores)}
+    per_split = {k: {**v, **scores["per_split"].get(k, empty_scores)} for k, v in rows["per_split"].items()}
+    return {**overall, "per_split": per_split}
+
+
+def length_stats(checked: DataFrame, seq_len: int) -> dict[str, Any]:
+    """Over the rows the tokenization check saw (tokenize_check's frame, quarantined rows included), overall and
+    per split: the token-length distribution of whole conversations (p50/p90/p99/max) and what the length policy
+    did: rows and tokens dropped, rows truncated and tokens cut, rows split and the chunks they became."""
+    tokenized = checked.filter(F.col("num_tokens") >= 0)
+    act = F.col("length_action")
+    removed = F.col("num_tokens") - F.col("train_tokens")
+    return _by_split(tokenized.rollup("split").agg(
+        *_agg(F.col("num_tokens"), "tok"),
+        _count_if(act == "drop", "rows_dropped"), _count_if(act == "drop", "tokens_dropped", F.col("num_tokens")),
+        _count_if(act == "truncate", "rows_truncated"), _count_if(act == "truncate", "tokens_truncated", removed),
+        _count_if(act == "split", "rows_split"),
+        _count_if(act == "split", "split_chunks", F.ceil(F.col("num_tokens") / F.lit(seq_len)))).collect(),
+        lambda r: {"tokens": _dist(r, "tok", as_int=True),
+                   **{k: int(r[k] or 0) for k in ("rows_dropped", "tokens_dropped", "rows_truncated",
+                                                  "tokens_truncated", "rows_split", "split_chunks")}})
 
 
 def output_columns(df: DataFrame, extra: Sequence[str] = ()) -> DataFrame:
     """The enriched table as written: identity, derived text, selection audit columns, training messages."""
     cols = ["uuid", "split", "category", "license", "reasoning", "context", "question", "answer",
-            *udfs.SELECTION_COLUMNS, "num_tokens", "dropped_text_turns", "dropped_text_chars", "messages_json",
-            *extra]
+            *udfs.SELECTION_COLUMNS, *udfs.INT_TOKEN_COLUMNS, "length_action", "messages_json", *extra]
     return df.select(*cols)

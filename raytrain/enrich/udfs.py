@@ -6,8 +6,7 @@ next to this one (conversation, dedup, decontam, relevance, sentences) and from 
 
 Column contract of the working table (``WORK_COLUMNS``), one row per derived example:
 ``row_id`` (int64, unique per input row), ``split``, ``uuid``, ``category``, ``license``, ``reasoning``,
-``context``, ``question``, ``answer``, ``system_text`` (the system prompt(s): the part of the context that
-selection may replace), ``text`` (every turn as text: what dedup and decontamination compare) and
+``context``, ``question``, ``answer``, ``text`` (every turn as text: what dedup and decontamination compare) and
 ``messages_json`` (the normalized conversation as JSON).
 """
 
@@ -22,18 +21,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from raytrain.enrich.conversation import Example, build_training_messages, derive_example
+from raytrain.enrich.context import (
+    answer_for_scoring,
+    candidate_sentences,
+    with_context_block,
+    with_selected_system_prompt,
+)
+from raytrain.enrich.conversation import Example, derive_example
 from raytrain.enrich.decontam import ngram_hashes
 from raytrain.enrich.dedup import exact_key, lsh_band_keys, minhash_signature
-from raytrain.enrich.sentences import split_sentences
 
 OK = "ok"
 WORK_COLUMNS = ("row_id", "split", "uuid", "category", "license", "reasoning", "context", "question", "answer",
-                "system_text", "text", "messages_json")
+                "text", "messages_json")
 # derive_batch's output: the working columns plus the verdict (status "ok" or a quarantine reason).
 DERIVED_COLUMNS = (*WORK_COLUMNS[:6], "status", "detail", *WORK_COLUMNS[6:])
 SELECTION_COLUMNS = ("context_sentences", "kept_indices", "kept_sentences", "sentence_scores", "question_scores",
-                     "answer_scores", "replaced_system_prompt")
+                     "answer_scores", "chunked_texts", "system_prompt_chars_removed")
 # Quarantine reasons added by the Spark steps (conversation.QUARANTINE_REASONS are the derive ones).
 LICENSE = "license"
 EXACT_DUPLICATE = "exact_duplicate"
@@ -55,12 +59,9 @@ def derive_batch(pdf: pd.DataFrame, max_chars: int) -> pd.DataFrame:
         result = derive_example(row, max_chars=max_chars)
         base = {"row_id": int(row["row_id"]), "split": row["split"]}
         if isinstance(result, Example):
-            system_text = "\n\n".join(m["content"] for m in result.messages if m["role"] == "system"
-                                      and m["content"].strip())
             out.append({**base, "uuid": result.uuid, "category": result.category, "license": result.license,
                         "reasoning": result.reasoning, "status": OK, "detail": "", "context": result.context,
-                        "question": result.question, "answer": result.answer, "system_text": system_text,
-                        "text": result.full_text(),
+                        "question": result.question, "answer": result.answer, "text": result.full_text(),
                         "messages_json": json.dumps(list(result.messages), ensure_ascii=False)})
         else:
             category = row.get("category")
@@ -68,13 +69,6 @@ def derive_batch(pdf: pd.DataFrame, max_chars: int) -> pd.DataFrame:
                         "license": "", "reasoning": "", "status": result.reason, "detail": result.detail,
                         **{c: "" for c in DERIVED_COLUMNS[8:]}})
     return pd.DataFrame(out, columns=list(DERIVED_COLUMNS))
-
-
-def example_from_row(row: dict[str, Any]) -> Example:
-    """The Example a working-table row was derived from (messages parsed back from messages_json)."""
-    return Example(uuid=row["uuid"], category=row["category"], license=row["license"], reasoning=row["reasoning"],
-                   context=row["context"], question=row["question"], answer=row["answer"],
-                   messages=tuple(json.loads(row["messages_json"])))
 
 
 # ---- exact and near duplicates -----------------------------------------------------------------------------------
@@ -175,85 +169,107 @@ def _configure_threads(num_threads: int) -> None:
 
 
 def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: int, min_score: float,
-                 question_weight: float, num_threads: int = 0) -> pd.DataFrame:
-    """Working rows -> the same rows with SELECTION_COLUMNS added and ``messages_json`` rebuilt.
+                 question_weight: float, system_prompt: str = "keep", answer_text: str = "final",
+                 num_threads: int = 0) -> pd.DataFrame:
+    """Working rows -> the same rows with SELECTION_COLUMNS added and ``messages_json`` rebuilt (raytrain.enrich
+    .context has the rules).
 
-    Candidates are the sentences of the system prompt (``system_text``): that is the context the selection can
-    trim. They are scored against the question and the answer (one ``encode`` call per batch, model loaded once
-    per process) and the kept ones replace the system prompt in their original order, so no sentence appears
-    twice. Earlier user/assistant turns are never candidates: they stay whole in the conversation (their
-    assistant turns are training targets), so copying their sentences into the prompt would only repeat them.
-    Rows without a system prompt have no candidates and keep their messages unchanged.
+    ``system_prompt`` "keep": candidates are the prose sentences of the context (system prompts less toggle lines,
+    earlier turns); the kept ones go into a ``<context>`` block before the last user turn, every system prompt
+    stays verbatim. "select": candidates are the system prompt's sentences, and only a row with more of them than
+    ``top_k`` and no tool calls is changed: its system prompt becomes its toggle lines plus the kept sentences
+    (``system_prompt_chars_removed`` counts what went). The answer side embeds ``answer_for_scoring(answer,
+    answer_text)``. One ``encode`` call per batch (model loaded once per process); rows without candidates are
+    not embedded and keep their messages.
     """
     from raytrain.enrich.relevance import load_embedder, score_batch
 
     if num_threads:
         _configure_threads(num_threads)
     records = pdf.to_dict("records")
-    contexts = [split_sentences(r["system_text"]) for r in records]
-    selections = score_batch(contexts, [r["question"] for r in records], [r["answer"] for r in records],
+    conversations = [json.loads(r["messages_json"]) for r in records]
+    contexts = []
+    for messages in conversations:
+        if system_prompt == "keep":
+            contexts.append(candidate_sentences(messages).all)
+        else:
+            sents = candidate_sentences(messages, include_earlier_turns=False).system
+            has_calls = any(m.get("tool_calls") for m in messages)
+            contexts.append(sents if len(sents) > top_k and not has_calls else [])
+    answers = [answer_for_scoring(r["answer"], answer_text) for r in records]
+    selections = score_batch(contexts, [r["question"] for r in records], answers,
                              load_embedder(model_path or None), batch_size=batch_size, top_k=top_k,
                              threshold=min_score, question_weight=question_weight) if records else []
     out = pdf.copy()
-    messages, kept_sentences = [], []
-    for r, sents, sel in zip(records, contexts, selections, strict=True):
+    rebuilt, kept_sentences, removed = [], [], []
+    for messages, sents, sel in zip(conversations, contexts, selections, strict=True):
         kept = sel.kept(sents)
         kept_sentences.append(kept)
-        replace = bool(sents)  # the context came from the system prompt: the kept sentences stand in for it
-        messages.append(json.dumps(build_training_messages(example_from_row(r), kept, replace_system_prompt=replace),
-                                   ensure_ascii=False))
+        chars = 0
+        if system_prompt == "keep":
+            messages = with_context_block(messages, kept)
+        elif sents:
+            messages, chars = with_selected_system_prompt(messages, kept)
+        removed.append(chars)
+        rebuilt.append(json.dumps(messages, ensure_ascii=False))
     out["context_sentences"] = contexts
     out["kept_indices"] = [list(s.kept_indices) for s in selections]
     out["kept_sentences"] = kept_sentences
     out["sentence_scores"] = [s.scores.tolist() for s in selections]
     out["question_scores"] = [s.q_scores.tolist() for s in selections]
     out["answer_scores"] = [s.a_scores.tolist() for s in selections]
-    out["replaced_system_prompt"] = [bool(c) for c in contexts]
-    out["messages_json"] = messages
+    out["chunked_texts"] = np.asarray([s.chunked_texts for s in selections], dtype=np.int64)
+    out["system_prompt_chars_removed"] = np.asarray(removed, dtype=np.int64)
+    out["messages_json"] = rebuilt
     return out
 
 
 # ---- tokenization check ------------------------------------------------------------------------------------------
-def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str,
+def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str, seq_len: int, length_policy: str = "drop",
                          text_with_tool_calls: str = "drop_text") -> pd.DataFrame:
-    """Rows -> the same rows plus ``num_tokens`` (int64, -1 when refused), ``status`` ("ok" or "untokenizable"),
-    ``detail`` (mistral-common's reason), ``dropped_text_turns`` and ``dropped_text_chars`` (int64: the turns whose
-    text was dropped and the characters that text held), tokenizing ``messages_json`` exactly as
-    the pack stage will. Assistant turns with text and tool calls are first fitted to the tokenizer
+    """Rows -> the same rows plus, tokenizing ``messages_json`` exactly as the pack stage will:
+
+    ``num_tokens`` (int64, the whole conversation; -1 when refused), ``train_tokens`` (int64, what packing will
+    use after the length policy), ``length_action`` ("keep", "truncate", "split" or "drop": raytrain.dataset
+    .length; "" when refused), ``dropped_text_turns`` / ``dropped_text_chars`` (int64: assistant turns whose
+    text was dropped for their tool calls, and that text's characters), ``status`` ("ok", "untokenizable" or "too_many_tokens") and
+    ``detail``. Assistant turns with text and tool calls are first fitted to the tokenizer
     (tokenize.fit_tool_call_turns): ``messages_json`` is rewritten when text was dropped, so the written row is
     what gets trained."""
+    from raytrain.dataset.length import TOO_MANY_TOKENS, decide_length
     from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
     from raytrain.errors import RaytrainError
 
     tokenizer = load_tokenizer(tokenizer_version)
-    num_tokens, status, detail, dropped, dropped_chars, rewritten = [], [], [], [], [], []
+    cols: dict[str, list] = {k: [] for k in ("num_tokens", "train_tokens", "length_action", "status", "detail",
+                                             "dropped_text_turns", "dropped_text_chars", "messages_json")}
+
+    def emit(**values) -> None:
+        for k, v in values.items():
+            cols[k].append(v)
+
     for messages_json in pdf["messages_json"]:
         try:
             fitted = fit_tool_call_turns(json.loads(messages_json), tokenizer_version, text_with_tool_calls)
             tokenized = tokenize_conversation(fitted.messages, tokenizer, verify=False)
         except (RaytrainError, ValueError) as e:  # ValueError: pydantic's ValidationError, bad JSON
-            num_tokens.append(-1)
-            status.append(UNTOKENIZABLE)
-            detail.append(str(e)[:500])
-            dropped.append(0)
-            dropped_chars.append(0)
-            rewritten.append(messages_json)
+            emit(num_tokens=-1, train_tokens=0, length_action="", status=UNTOKENIZABLE, detail=str(e)[:500],
+                 dropped_text_turns=0, dropped_text_chars=0, messages_json=messages_json)
             continue
-        num_tokens.append(tokenized.num_tokens)
-        status.append(OK)
-        detail.append("")
-        dropped.append(fitted.dropped_text_turns)
-        dropped_chars.append(fitted.dropped_text_chars)
-        rewritten.append(json.dumps(fitted.messages, ensure_ascii=False) if fitted.dropped_text_turns
-                         else messages_json)
+        decision = decide_length(tokenized.loss_mask, seq_len, length_policy)
+        dropped = decision.action == "drop"
+        emit(num_tokens=decision.num_tokens, train_tokens=decision.train_tokens, length_action=decision.action,
+             status=TOO_MANY_TOKENS if dropped else OK, detail=decision.detail,
+             dropped_text_turns=fitted.dropped_text_turns, dropped_text_chars=fitted.dropped_text_chars,
+             messages_json=json.dumps(fitted.messages, ensure_ascii=False) if fitted.dropped_text_turns
+             else messages_json)
     out = pdf.copy()
-    out["messages_json"] = rewritten
-    out["num_tokens"] = np.asarray(num_tokens, dtype=np.int64)
-    out["dropped_text_turns"] = np.asarray(dropped, dtype=np.int64)
-    out["dropped_text_chars"] = np.asarray(dropped_chars, dtype=np.int64)
-    out["status"] = status
-    out["detail"] = detail
+    for k, values in cols.items():
+        out[k] = np.asarray(values, dtype=np.int64) if k in INT_TOKEN_COLUMNS else values
     return out
+
+
+INT_TOKEN_COLUMNS = ("num_tokens", "train_tokens", "dropped_text_turns", "dropped_text_chars")
 
 
 def map_batches(fn, **kwargs):

@@ -9,9 +9,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, UserMessage
+from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
 from raytrain.config import load_job_config
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
+from raytrain.enrich.context import context_block, final_answer, is_toggle_line
 from raytrain.enrich.job import MANIFEST, run_enrich
 from raytrain.errors import RaytrainError
 from raytrain.runner import Run
@@ -29,7 +32,7 @@ def out(ray_local, tmp_path_factory):
                                                 "enrich.num_partitions=2"])
     run_root = resolve(str(root / "runs" / "ci" / "demo" / "enrich"))
     result = run_enrich(job, resolve(sample.out_dir), run_root, eval_sets=(sample.eval_path,))
-    raw = pa.concat_tables([pq.read_table(p) for p in sample.split_paths.values()]).to_pylist()
+    raw = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
     return SimpleNamespace(
         job=job, run_root=run_root, result=result, report=result.report, raw=raw, sample=sample,
         planted=load_planted(sample.out_dir),
@@ -47,11 +50,13 @@ def _reasons(out) -> dict:
 
 def _mixed_turns(out, measure=lambda text: 1) -> dict:
     """uuid -> ``measure(text)`` summed over the assistant turns with both text and tool calls (v3 cannot hold both),
-    found in the raw input, for the rows that reach the tokenization check: not planted for an earlier quarantine
-    reason, and not the dropped (larger-uuid) member of a planted duplicate pair. Default: the number of turns."""
+    found in the raw input, for the rows that pass the tokenization check: not planted for an earlier quarantine
+    reason, not the dropped (larger-uuid) member of a planted duplicate pair, not longer than seq_len. Default: the
+    number of turns."""
     p = out.planted
     earlier = {r["uuid"] for kind in ("quarantine", "disallowed_license", "contaminated") for r in p[kind]}
     earlier |= {max(r["uuid"], r["duplicate_of"]) for kind in ("exact_duplicates", "near_duplicates") for r in p[kind]}
+    earlier |= {q["uuid"] for q in out.quarantine if q["reason"] == "too_many_tokens"}  # longer than seq_len
     mixed = {row["uuid"]: sum(measure(m["content"]) for m in row["messages"] or []
                               if m["role"] == "assistant" and (m["content"] or "").strip() and m["tool_calls"])
              for row in out.raw}
@@ -63,6 +68,11 @@ def test_quarantine_counts_match_planted(out):
     expected = dict(p["quarantine_counts"])
     expected.update({"license": len(p["disallowed_license"]), "exact_duplicate": len(p["exact_duplicates"]),
                      "near_duplicate": len(p["near_duplicates"]), "contaminated": len(p["contaminated"])})
+    # The long tail of the sample's lengths: rows over dataset.seq_len are dropped by the default length policy
+    # (test_length_policy_counts_match_mistral_common checks each of them).
+    too_long = _reasons(out).get("too_many_tokens", 0)
+    assert too_long > 0, "the sample's long tail should exceed the demo's seq_len"
+    expected["too_many_tokens"] = too_long
     assert _reasons(out) == expected
     assert out.report["quarantined"] == expected
     for r in p["quarantine"]:
@@ -118,18 +128,86 @@ def test_every_row_accounted_for(out):
     assert [r["uuid"] for r in out.enriched] == sorted(r["uuid"] for r in out.enriched)
 
 
-def test_answering_sentence_kept_and_system_prompt_not_repeated(out):
-    by_uuid = {r["uuid"]: r for r in out.enriched}
+def _raw_by_uuid(out) -> dict:
+    return {r["uuid"]: r for r in out.raw if r["uuid"]}
+
+
+def _last_user(messages) -> int:
+    return max(i for i, m in enumerate(messages) if m["role"] == "user")
+
+
+def test_answering_sentence_kept_and_system_prompt_verbatim(out):
+    by_uuid, raw = {r["uuid"]: r for r in out.enriched}, _raw_by_uuid(out)
     rows = [(k, by_uuid[k["uuid"]]) for k in out.planted["context_answers"] if k["uuid"] in by_uuid]
-    assert len(rows) > 50
+    assert len(rows) > 40
     for key, row in rows:
         assert key["answer_sentence"] in row["kept_sentences"], (key, row["kept_sentences"])
         assert len(row["kept_sentences"]) <= out.job.enrich.top_k
         assert any(d not in row["kept_sentences"] for d in key["distractors"])
-        messages = json.loads(row["messages_json"])
-        systems = [m["content"] for m in messages if m["role"] == "system"]
-        assert systems == ["Context:\n" + "\n".join(row["kept_sentences"])]
         assert row["kept_sentences"] == [row["context_sentences"][i] for i in row["kept_indices"]]
+        trained, original = json.loads(row["messages_json"]), raw[key["uuid"]]["messages"]
+        # every system prompt reaches the tokenizer as it was; the kept sentences come as their own block
+        assert [m["content"] for m in trained if m["role"] == "system"] == \
+            [m["content"] for m in original if m["role"] == "system"]
+        assert trained[_last_user(trained)]["content"] == context_block(row["kept_sentences"]) + "\n\n" + \
+            original[_last_user(original)]["content"]
+
+
+def test_reasoning_toggles_train_verbatim_like_mistral_common(out):
+    """Rows whose system prompt is a reasoning toggle: token ids equal mistral-common's own encoding of the
+    original messages, plus the context block in the last user turn when sentences were kept."""
+    tokenizer, raw = load_tokenizer(out.job.dataset.tokenizer), _raw_by_uuid(out)
+    seen = set()
+    for row in out.enriched:
+        original = raw[row["uuid"]]["messages"]
+        system = [m["content"] for m in original if m["role"] == "system"]
+        if len(system) != 1 or not is_toggle_line(system[0]) or any(m["tool_calls"] for m in original):
+            continue
+        seen.add(system[0].strip())
+        last_user = _last_user(original)
+        ref = [SystemMessage(content=system[0])]
+        for i, m in enumerate(original[1:], start=1):
+            text = m["content"]
+            if i == last_user and row["kept_sentences"]:
+                text = context_block(row["kept_sentences"]) + "\n\n" + text
+            ref.append(UserMessage(content=text) if m["role"] == "user" else AssistantMessage(content=text))
+        want = tokenizer.encode_chat_completion(ChatCompletionRequest(messages=ref)).tokens
+        got = tokenize_conversation(json.loads(row["messages_json"]), tokenizer, verify=False).input_ids
+        assert got == want, row["uuid"]
+    assert seen >= {"detailed thinking on", "detailed thinking off", "/no_think"}, seen
+
+
+def test_length_policy_counts_match_mistral_common(out):
+    """dataset.length_policy=drop (default): kept rows fit seq_len whole (nothing is chunked), each dropped row
+    is quarantined with its token count, and the report's per-split lengths agree with both."""
+    seq_len, tokenizer, raw = out.job.dataset.seq_len, load_tokenizer(out.job.dataset.tokenizer), _raw_by_uuid(out)
+    assert all(r["num_tokens"] <= seq_len and r["train_tokens"] == r["num_tokens"] and r["length_action"] == "keep"
+               for r in out.enriched)
+    dropped = {q["uuid"]: q for q in out.quarantine if q["reason"] == "too_many_tokens"}
+    lengths: dict = {}
+    for r in out.enriched:
+        lengths.setdefault(r["split"], []).append(r["num_tokens"])
+    checked = 0
+    for uuid, q in dropped.items():
+        n = int(q["detail"].split(" tokens")[0])
+        assert n > seq_len and f"dataset.seq_len={seq_len}" in q["detail"]
+        lengths.setdefault(q["split"], []).append(n)
+        original = raw[uuid]["messages"]
+        if [m["role"] for m in original] == ["user", "assistant"]:  # no context, no block: the raw row itself
+            ref = [UserMessage(content=original[0]["content"]), AssistantMessage(content=original[1]["content"])]
+            assert n == len(tokenizer.encode_chat_completion(ChatCompletionRequest(messages=ref)).tokens), uuid
+            checked += 1
+    assert checked, "no dropped single-turn row to check against mistral-common"
+    report = out.report["length"]
+    assert (report["policy"], report["seq_len"]) == ("drop", seq_len)
+    for split, values in lengths.items():
+        got = report["per_split"][split]
+        assert got["tokens"]["count"] == len(values) and got["tokens"]["max"] == max(values)
+        assert got["tokens"]["sum"] == sum(values)
+        assert got["rows_dropped"] == sum(1 for q in dropped.values() if q["split"] == split)
+        assert got["tokens_dropped"] == sum(v for v in values if v > seq_len)
+        assert got["rows_truncated"] == got["rows_split"] == 0
+    assert report["overall"]["rows_dropped"] == len(dropped)
 
 
 def test_scores_equal_sentence_transformers_cos_sim(out):
@@ -139,10 +217,12 @@ def test_scores_equal_sentence_transformers_cos_sim(out):
 
     model = SentenceTransformer(default_model_path(), device="cpu")
     w = out.job.enrich.question_weight
-    rows = [r for r in out.enriched if r["context_sentences"]][:4]
+    rows = [r for r in out.enriched if r["context_sentences"] and not r["chunked_texts"]][:4]
+    assert rows
     for r in rows:
         sent = model.encode(r["context_sentences"], convert_to_tensor=True)
-        qa = model.encode([r["question"], r["answer"]], convert_to_tensor=True)
+        # the answer side embeds the final answer (after </think>): enrich.answer_text=final
+        qa = model.encode([r["question"], final_answer(r["answer"])], convert_to_tensor=True)
         sims = util.cos_sim(sent, qa).numpy()  # (S, 2)
         np.testing.assert_allclose(r["question_scores"], sims[:, 0], atol=1e-5)
         np.testing.assert_allclose(r["answer_scores"], sims[:, 1], atol=1e-5)
@@ -164,8 +244,27 @@ def test_manifest_and_summary_written(out):
     assert manifest["enriched"]["rows"] == len(out.enriched)
     assert manifest["quarantine"]["rows"] == len(out.quarantine)
     summary = out.run_root.join("reports", "enrich_summary.txt").read_text()
-    for reason in (*DERIVE_REASONS, "license", "exact_duplicate", "near_duplicate", "contaminated"):
+    for reason in (*DERIVE_REASONS, "license", "exact_duplicate", "near_duplicate", "contaminated",
+                   "too_many_tokens"):
         assert reason in summary
+    # per split: input files and rows, kept, context coverage, token lengths and what the length policy did
+    files = out.sample.split_files
+    assert out.report["inputs"]["layout"] == "hub"
+    assert out.report["inputs"]["files"] == {k: [os.path.basename(p) for p in v] for k, v in files.items()}
+    assert out.report["inputs"]["files"]["tool_calling"][0].startswith("tool-")
+    assert "length policy (drop, seq_len" in summary and "rows with context to select from" in summary
+    kept_per_split: dict = {}
+    for r in out.enriched:
+        kept_per_split[r["split"]] = kept_per_split.get(r["split"], 0) + 1
+    assert out.report["rows_out_per_split"] == kept_per_split
+    for split, rows in out.report["rows_in_per_split"].items():
+        assert rows == sum(pq.ParquetFile(p).metadata.num_rows for p in files[split])
+        line = next(x for x in summary.splitlines() if x.startswith(f"{split} "))
+        assert line.split()[1:4] == [str(len(files[split])), str(rows), str(kept_per_split[split])]
+    assert out.report["similarity"]["rows_with_candidates"] == sum(1 for r in out.enriched if r["context_sentences"])
+    assert out.report["similarity"]["rows_with_context_added"] == sum(1 for r in out.enriched if r["kept_sentences"])
+    assert all(s >= out.job.enrich.min_score for r in out.enriched for s in
+               [r["sentence_scores"][i] for i in r["kept_indices"]])
     sim = out.report["similarity"]["all_sentences"]
     assert sim["min"] <= sim["p50"] <= sim["p90"] <= sim["max"]
 
@@ -174,11 +273,11 @@ def test_hand_off_packs_without_error(out):
     from raytrain.dataset.stream import tokenize_and_pack
 
     packed = tokenize_and_pack(out.result.enriched, out.run_root.join("data", "packed"), out.job.dataset, "h")
-    assert packed.num_real_tokens == sum(r["num_tokens"] for r in out.enriched)
+    assert packed.num_real_tokens == sum(r["num_tokens"] for r in out.enriched)  # nothing chunked, nothing cut
 
 
 def test_schema_error_names_column_and_file(out, tmp_path):
-    good = pq.read_table(out.sample.split_paths["chat"])
+    good = pq.read_table(out.sample.split_files["chat"][0])
     bad = good.set_column(good.schema.get_field_index("messages"), "messages",
                           pa.array(["not a list"] * good.num_rows))
     (tmp_path / "chat").mkdir()

@@ -127,7 +127,7 @@ def test_tokenize_and_pack_batch_shapes_and_content(version):
     batch = pd.DataFrame(
         {"uuid": [f"u{i}" for i in range(9)], "messages_json": [json.dumps(conversation(i)) for i in range(9)]}
     )
-    out = tokenize_and_pack_batch(batch, version, seq_len)
+    out = tokenize_and_pack_batch(batch, version, seq_len, "drop")
 
     num_packs = len(out["doc_ids"])
     assert set(out) == {"input_ids", "labels", "position_ids", "segment_ids", "doc_ids", "num_tokens"}
@@ -161,8 +161,8 @@ def test_tokenize_and_pack_batch_shapes_and_content(version):
 
 
 def test_tokenize_and_pack_batch_empty_and_bad_rows():
-    empty = tokenize_and_pack_batch(pd.DataFrame({"uuid": [], "messages_json": []}), "v3", 32)
+    empty = tokenize_and_pack_batch(pd.DataFrame({"uuid": [], "messages_json": []}), "v3", 32, "drop")
     assert empty["input_ids"].shape == (0, 32) and empty["doc_ids"].shape == (0,)
     bad = pd.DataFrame({"uuid": ["ok", "bad"], "messages_json": [json.dumps(conversation(1)), json.dumps([])]})
     with pytest.raises(RaytrainError, match=r"uuid='bad' \(batch row 1\)"):
-        tokenize_and_pack_batch(bad, "v3", 32)
+        tokenize_and_pack_batch(bad, "v3", 32, "drop")

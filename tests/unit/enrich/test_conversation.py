@@ -1,4 +1,4 @@
-"""derive_example / build_training_messages on hand-made rows, including rows read back through pyarrow/pandas."""
+"""derive_example on hand-made rows, including rows read back through pyarrow/pandas."""
 
 import pickle
 
@@ -15,7 +15,6 @@ from raytrain.enrich.conversation import (
     UNDECODABLE_TEXT,
     Example,
     Quarantined,
-    build_training_messages,
     derive_example,
 )
 from raytrain.enrich.schema import EXAMPLE_SCHEMA, NEMOTRON_V1_SCHEMA, QUARANTINE_SCHEMA
@@ -116,22 +115,3 @@ def test_reasoning_inferred_when_missing():
     off = derive_example(_row([_m("user", "q"), _m("assistant", "a")], reasoning="weird"))
     assert (on.reasoning, off.reasoning) == ("on", "off")
     assert derive_example(_row([_m("user", "q"), _m("assistant", "a")], reasoning="ON")).reasoning == "on"
-
-
-def test_build_training_messages_merges_into_existing_system_prompt():
-    ex = derive_example(_row(MULTI))
-    out = build_training_messages(ex, ["Oslo is in Norway.", "It rains."])
-    assert out[0] == {"role": "system", "content": "You are terse. Oslo is in Norway.\n\nContext:\nOslo is in Norway.\nIt rains.",
-                      "tool_calls": []}
-    assert out[1:] == [dict(m) for m in ex.messages[1:]]
-    assert ex.messages[0]["content"] == "You are terse. Oslo is in Norway."  # example untouched
-
-
-def test_build_training_messages_adds_system_prompt_or_replaces_it():
-    ex = derive_example(_row([_m("user", "q"), _m("assistant", "a")]))
-    assert build_training_messages(ex, ["A.", "B."])[0] == {"role": "system", "content": "Context:\nA.\nB.", "tool_calls": []}
-    assert build_training_messages(ex, []) == [dict(m) for m in ex.messages]
-    multi = derive_example(_row(MULTI))
-    replaced = build_training_messages(multi, ["Oslo is in Norway."], replace_system_prompt=True)
-    assert replaced[0]["content"] == "Context:\nOslo is in Norway."
-    assert [m["role"] for m in replaced] == [m["role"] for m in MULTI]

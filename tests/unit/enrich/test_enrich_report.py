@@ -52,3 +52,32 @@ def test_summary_text_lists_steps_reasons_and_distributions():
     for needle in ("derive", "exact_dedup", "near_dedup", "untokenizable 1", "21.11%", "p90 0.300", "kept 70",
                    "max 8"):
         assert needle in text, needle
+
+
+def test_summary_text_per_split_lengths_context_and_inputs():
+    _, report = _report()
+    tok = {"count": 80, "min": 10, "p50": 300.0, "p90": 900.0, "p99": 2000.0, "max": 2500, "sum": 30000}
+    report.update({
+        "rows_in_per_split": {"chat": 60, "code": 40}, "rows_out_per_split": {"chat": 50, "code": 20},
+        "quarantined_per_split": {"chat": {"bad_role": 10}, "code": {"too_many_tokens": 20}},
+        "inputs": {"layout": "hub", "root": "file:///d", "files": {"chat": ["a", "b"], "code": ["c"]},
+                   "missing_shards": {"code": ["code-00001-of-00002.parquet"]}},
+        "length": {"policy": "drop", "seq_len": 1024, "per_split": {
+            "chat": {"tokens": tok, "rows_dropped": 0, "tokens_dropped": 0, "rows_truncated": 0, "rows_split": 0},
+            "code": {"tokens": tok, "rows_dropped": 20, "tokens_dropped": 41000, "rows_truncated": 0,
+                     "rows_split": 0}}},
+    })
+    report["similarity"].update({"min_score": 0.4, "rows_with_context_added": 7, "texts_chunked": 3, "rows_chunked": 2,
+                                 "per_split": {"chat": {"rows_with_candidates": 25, "rows_with_context_added": 5,
+                                                        "texts_chunked": 3, "all_sentences": {"count": 0},
+                                                        "kept_sentences": {"count": 0}}}})
+    lines = summary_text(report).splitlines()
+    chat = next(x for x in lines if x.startswith("chat "))
+    code = next(x for x in lines if x.startswith("code "))
+    assert chat.split()[:8] == ["chat", "2", "60", "50", "10", "50%", "10%", "3"] and chat.endswith("all fit")
+    assert code.split()[:5] == ["code", "1", "40", "20", "20"] and code.endswith("dropped 20 rows / 41000 tokens")
+    assert "300" in chat and "2000" in chat and "2500" in chat
+    text = "\n".join(lines)
+    assert "length policy (drop, seq_len 1024)" in text and "inputs: hub layout at file:///d" in text
+    assert "code: missing shards code-00001-of-00002.parquet" in text
+    assert "given a context block (a sentence at or above min_score 0.4): 7" in text

@@ -6,8 +6,11 @@ import torch
 from sentence_transformers import util
 
 from raytrain.enrich.relevance import (
+    chunk_text,
     cosine_similarity_matrix,
+    embed_texts,
     load_embedder,
+    max_word_pieces,
     score_batch,
     select_sentences,
 )
@@ -32,6 +35,7 @@ def model():
 class CountingEmbedder:
     def __init__(self, inner):
         self.inner, self.calls, self.texts = inner, 0, []
+        self.tokenizer, self.max_seq_length = inner.tokenizer, inner.max_seq_length
 
     def encode(self, texts, **kw):
         self.calls += 1
@@ -113,3 +117,53 @@ def test_score_batch_embeds_repeated_texts_once(model):
     assert sorted(counting.texts[0]) == sorted(set(shared + ["q1", "q2", "a"]))
     with pytest.raises(RaytrainError, match="differ in length"):
         score_batch([shared], ["q1", "q2"], ["a"], model)
+
+
+def test_rows_without_candidates_are_not_embedded(model):
+    counting = CountingEmbedder(model)
+    score_batch([["One sentence here."], []], ["q1", "q2"], ["a1", "a2"], counting, top_k=1)
+    assert sorted(counting.texts[0]) == ["One sentence here.", "a1", "q1"]
+
+
+def _long_text(words: int) -> str:
+    rng = np.random.default_rng(0)
+    vocab = ("reactor", "coolant", "pressure", "turbine", "valve", "sensor", "boron", "uranium", "steam", "pump",
+             "extraordinarily", "thermodynamically", "x7", "Q-factor", "(see", "note)")
+    return " ".join(rng.choice(vocab, size=words))
+
+
+def test_chunks_fit_the_model_and_cover_the_text(model):
+    limit = max_word_pieces(model)
+    assert limit == 254  # all-MiniLM-L6-v2: max_seq_length 256 less [CLS] and [SEP]
+    text = _long_text(700)
+    chunks = chunk_text(text, model.tokenizer, limit)
+    assert len(chunks) >= 3
+    for piece, count in chunks:
+        assert count == len(model.tokenizer(piece, add_special_tokens=False)["input_ids"]) <= limit
+    assert " ".join(p for p, _ in chunks) == text  # cut between words, nothing lost or repeated
+    assert sum(c for _, c in chunks) == len(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+    short = "A short sentence."
+    assert chunk_text(short, model.tokenizer, limit) == [(short, 4)]
+
+
+def test_chunked_embedding_is_the_piece_weighted_mean_of_encode(model):
+    text, short = _long_text(700), "The turbine spins when steam flows."
+    emb, chunks = embed_texts([text, short], model, batch_size=16)
+    pieces = chunk_text(text, model.tokenizer, max_word_pieces(model))
+    assert chunks.tolist() == [len(pieces), 1]
+    # Reference: sentence-transformers' own encode of each chunk, combined as relevance's docstring says.
+    ref = model.encode([p for p, _ in pieces], convert_to_tensor=True)  # (C, d)
+    ref = torch.nn.functional.normalize(ref, dim=1)
+    weights = torch.tensor([float(c) for _, c in pieces])[:, None]
+    mean = (weights * ref).sum(dim=0)
+    np.testing.assert_allclose(emb[0], (mean / mean.norm()).numpy(), atol=1e-5)
+    np.testing.assert_allclose(emb[1], model.encode(short, normalize_embeddings=True), atol=1e-5)
+    # encode alone would have read only the first 254 word pieces: the chunked embedding differs from that
+    assert util.cos_sim(torch.tensor(emb[0]), model.encode(text, convert_to_tensor=True)).item() < 0.999
+
+
+def test_score_batch_counts_chunked_texts(model):
+    long_answer = _long_text(600)
+    (sel,) = score_batch([["The reactor coolant pump failed.", "Bananas are yellow."]], ["What failed?"],
+                         [long_answer], model, top_k=1)
+    assert sel.chunked_texts == 1

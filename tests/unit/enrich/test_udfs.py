@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raytrain.config import EnrichConfig
 from raytrain.enrich import udfs
 from raytrain.enrich.conversation import Example, derive_example
 from raytrain.enrich.decontam import build_eval_index, contaminated
@@ -20,7 +21,7 @@ from raytrain.sample_data import write_sample_dataset
 @pytest.fixture(scope="module")
 def sample_batch(tmp_path_factory):
     m = write_sample_dataset(str(tmp_path_factory.mktemp("sample")), rows_per_split=20)
-    table = pa.concat_tables([pq.read_table(p) for p in m.split_paths.values()])
+    table = pa.concat_tables([pq.read_table(p) for p in m.all_files()])
     pdf = table.to_pandas()  # list columns arrive as numpy object arrays, as in mapInPandas
     pdf["row_id"] = np.arange(len(pdf), dtype=np.int64)
     pdf["split"] = "x"
@@ -32,13 +33,13 @@ def _work_row(uuid, messages, **kw):
     assert isinstance(ex, Example), ex
     out = udfs.derive_batch(pd.DataFrame([{"uuid": uuid, "license": "mit", "category": "chat", "reasoning": "off",
                                            "messages": messages, "row_id": kw.get("row_id", 0), "split": "chat"}]),
-                            max_chars=60_000)
+                            max_chars=EnrichConfig().max_chars)
     return out.drop(columns=["status", "detail"])
 
 
 def test_derive_batch_matches_derive_example(sample_batch):
     pdf, rows = sample_batch
-    out = udfs.derive_batch(pdf, max_chars=60_000)
+    out = udfs.derive_batch(pdf, max_chars=EnrichConfig().max_chars)
     assert list(out.columns) == list(udfs.DERIVED_COLUMNS) and len(out) == len(rows)
     for got, row in zip(out.to_dict("records"), rows, strict=True):
         ref = derive_example(row)
@@ -47,7 +48,6 @@ def test_derive_batch_matches_derive_example(sample_batch):
             assert (got["uuid"], got["context"], got["question"], got["answer"], got["text"]) == \
                 (ref.uuid, ref.context, ref.question, ref.answer, ref.full_text())
             assert json.loads(got["messages_json"]) == list(ref.messages)
-            assert got["system_text"] == "\n\n".join(m["content"] for m in ref.messages if m["role"] == "system")
         else:
             uuid = None if pd.isna(got["uuid"]) else got["uuid"]  # pandas holds a missing string as NaN
             # same verdict; the detail's wording may differ (numpy arrays print differently from lists)
@@ -111,39 +111,88 @@ def test_contamination_counts_match_decontam_contaminated():
     assert udfs.contamination_counts(texts, udfs.build_sorted_index([]), 13) == [0, 0, 0, 0]
 
 
-def test_select_batch_replaces_system_prompt_with_kept_sentences():
+def _select(batch, **kw):
+    args = {"model_path": "", "batch_size": 8, "top_k": 2, "min_score": 0.0, "question_weight": 0.5, **kw}
+    return udfs.select_batch(batch, **args).to_dict("records")
+
+
+SYSTEM = ("Bananas are rich in potassium. The Eiffel Tower was finished in 1889. Penguins cannot fly. "
+          "The stock market fell on Tuesday.")
+
+
+def test_select_batch_keeps_system_prompt_and_adds_a_context_block():
     from sentence_transformers import util
 
+    from raytrain.enrich.context import context_block
     from raytrain.enrich.relevance import load_embedder
-    from raytrain.enrich.sentences import split_sentences
 
-    system = ("You are a helpful assistant. Bananas are rich in potassium. The Eiffel Tower was finished in 1889. "
-              "Penguins cannot fly. The stock market fell on Tuesday.")
-    with_system = _work_row("a", [{"role": "system", "content": system},
-                                  {"role": "user", "content": "When was the Eiffel Tower completed?"},
-                                  {"role": "assistant", "content": "It was completed in 1889."}])
-    no_system = _work_row("b", [{"role": "user", "content": "Hi there. How are you?"},
-                                {"role": "assistant", "content": "Fine."},
-                                {"role": "user", "content": "What is 2 + 2?"},
-                                {"role": "assistant", "content": "4"}], row_id=1)
-    batch = pd.concat([with_system, no_system], ignore_index=True)
-    out = udfs.select_batch(batch, model_path="", batch_size=8, top_k=2, min_score=0.0, question_weight=0.5)
-    a, b = out.to_dict("records")
-    assert a["context_sentences"] == split_sentences(system)
+    original = [{"role": "system", "content": "detailed thinking on\n" + SYSTEM},
+                {"role": "user", "content": "When was the Eiffel Tower completed?"},
+                {"role": "assistant", "content": "<think>\nRecall the tower.\n</think>\n\nIt was completed in 1889."}]
+    with_system = _work_row("a", original)
+    no_context = _work_row("b", [{"role": "system", "content": "/no_think"},
+                                 {"role": "user", "content": "What is 2 + 2?"},
+                                 {"role": "assistant", "content": "4"}], row_id=1)
+    a, b = _select(pd.concat([with_system, no_context], ignore_index=True))
+    assert a["context_sentences"] == ["Bananas are rich in potassium.", "The Eiffel Tower was finished in 1889.",
+                                      "Penguins cannot fly.", "The stock market fell on Tuesday."]
     assert "The Eiffel Tower was finished in 1889." in a["kept_sentences"]
     assert "The stock market fell on Tuesday." not in a["kept_sentences"] and len(a["kept_sentences"]) == 2
     messages = json.loads(a["messages_json"])
-    assert messages[0] == {"role": "system", "content": "Context:\n" + "\n".join(a["kept_sentences"]),
-                           "tool_calls": []}
-    assert [m["role"] for m in messages] == ["system", "user", "assistant"] and a["replaced_system_prompt"]
+    assert messages[0]["content"] == original[0]["content"]  # the toggle and the whole prompt, verbatim
+    assert messages[1]["content"] == context_block(a["kept_sentences"]) + "\n\n" + original[1]["content"]
+    assert messages[2]["content"] == original[2]["content"]
+    assert a["system_prompt_chars_removed"] == 0 and a["chunked_texts"] == 0
     model = load_embedder()
     sims = util.cos_sim(model.encode(a["context_sentences"], convert_to_tensor=True),
-                        model.encode([a["question"], a["answer"]], convert_to_tensor=True)).numpy()  # (S, 2)
+                        model.encode([a["question"], "It was completed in 1889."], convert_to_tensor=True)).numpy()
     np.testing.assert_allclose(a["question_scores"], sims[:, 0], atol=1e-5)
+    np.testing.assert_allclose(a["answer_scores"], sims[:, 1], atol=1e-5)  # the final answer, not the trace
     np.testing.assert_allclose(a["sentence_scores"], 0.5 * sims[:, 0] + 0.5 * sims[:, 1], atol=1e-5)
-    # no system prompt: earlier turns already stay whole, nothing to select, messages unchanged
-    assert b["context_sentences"] == [] and b["kept_sentences"] == [] and not b["replaced_system_prompt"]
-    assert json.loads(b["messages_json"]) == json.loads(no_system.iloc[0]["messages_json"])
+    # a toggle-only system prompt is no context: nothing to select, messages unchanged
+    assert b["context_sentences"] == [] and b["kept_sentences"] == []
+    assert json.loads(b["messages_json"]) == json.loads(no_context.iloc[0]["messages_json"])
+
+
+def test_select_batch_select_mode_trims_long_prose_prompts_only():
+    tool_call = {"id": "abcdefghi", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    prose = _work_row("a", [{"role": "system", "content": "/no_think\n" + SYSTEM},
+                            {"role": "user", "content": "When was the Eiffel Tower completed?"},
+                            {"role": "assistant", "content": "In 1889."}])
+    tools = _work_row("b", [{"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": "When was the Eiffel Tower completed?"},
+                            {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+                            {"role": "tool", "content": "1889"},
+                            {"role": "assistant", "content": "In 1889."}], row_id=1)
+    short = _work_row("c", [{"role": "system", "content": "Penguins cannot fly. Bananas are yellow."},
+                            {"role": "user", "content": "Can penguins fly?"},
+                            {"role": "assistant", "content": "No."}], row_id=2)
+    a, b, c = _select(pd.concat([prose, tools, short], ignore_index=True), system_prompt="select")
+    system = json.loads(a["messages_json"])[0]["content"]
+    assert system == "/no_think\n\n" + "\n".join(a["kept_sentences"])
+    assert "The Eiffel Tower was finished in 1889." in a["kept_sentences"]
+    assert a["system_prompt_chars_removed"] == len("/no_think\n" + SYSTEM) - len(system) > 0
+    for row, work in ((b, tools), (c, short)):  # a tool list, and a prompt no longer than top_k: untouched
+        assert row["context_sentences"] == [] and row["system_prompt_chars_removed"] == 0
+        assert json.loads(row["messages_json"]) == json.loads(work.iloc[0]["messages_json"])
+
+
+def test_final_answer_decides_when_the_trace_is_unrelated():
+    """The answer side embeds the text after </think>: a row whose trace talks of something else entirely but
+    whose final answer matches one sentence keeps that sentence; embedding the whole turn would not."""
+    context = ("Cold fronts often bring sudden thunderstorms. The harbour crane lifts forty tonnes. "
+               "Saffron is harvested by hand from crocus flowers. Glaciers carve U-shaped valleys.")
+    trace = " ".join(f"Let me think about thunderstorm {i}, cold fronts and weather radar over the sea."
+                     for i in range(40))  # ~780 word pieces: embedded in 4 chunks under answer_text=full
+    row = _work_row("a", [{"role": "system", "content": context},
+                          {"role": "user", "content": "Tell me one thing you know."},
+                          {"role": "assistant", "content": f"<think>\n{trace}\n</think>\n\nSaffron is picked by "
+                                                           "hand from crocus flowers."}])
+    (final,) = _select(row, top_k=1, question_weight=0.0)
+    (full,) = _select(row, top_k=1, question_weight=0.0, answer_text="full")
+    assert final["kept_sentences"] == ["Saffron is harvested by hand from crocus flowers."]
+    assert full["kept_sentences"] == ["Cold fronts often bring sudden thunderstorms."]
+    assert (final["chunked_texts"], full["chunked_texts"]) == (0, 1)
 
 
 def test_tokenize_check_batch_flags_what_mistral_refuses():
@@ -158,7 +207,7 @@ def test_tokenize_check_batch_flags_what_mistral_refuses():
     both = [good[0], {"role": "assistant", "content": "<think>x</think>", "tool_calls": [call]},
             {"role": "tool", "content": "1", "tool_calls": []}, {"role": "assistant", "content": "ok", "tool_calls": []}]
     pdf = pd.DataFrame({"uuid": ["g", "b"], "messages_json": [json.dumps(good), json.dumps(both)]})
-    out = udfs.tokenize_check_batch(pdf, "v3", text_with_tool_calls="quarantine")
+    out = udfs.tokenize_check_batch(pdf, "v3", seq_len=64, text_with_tool_calls="quarantine")
     ref = load_tokenizer("v3").encode_chat_completion(
         ChatCompletionRequest(messages=[UserMessage(content="Say hi."), AssistantMessage(content="Hi!")])).tokens
     assert out["num_tokens"].tolist() == [len(ref), -1]
@@ -167,7 +216,7 @@ def test_tokenize_check_batch_flags_what_mistral_refuses():
     assert out["messages_json"].tolist() == pdf["messages_json"].tolist()
 
     # default policy: the text of the mixed turn is dropped, the call stays; messages_json says what is trained
-    out = udfs.tokenize_check_batch(pdf, "v3")
+    out = udfs.tokenize_check_batch(pdf, "v3", seq_len=64)
     assert out["status"].tolist() == [udfs.OK, udfs.OK]
     assert out["dropped_text_turns"].tolist() == [0, 1]
     assert out["dropped_text_chars"].tolist() == [0, len("<think>x</think>")]
@@ -175,3 +224,12 @@ def test_tokenize_check_batch_flags_what_mistral_refuses():
     assert trained[1]["content"] == "" and trained[1]["tool_calls"] == [call]
     assert [m for i, m in enumerate(trained) if i != 1] == [m for i, m in enumerate(both) if i != 1]
     assert out["messages_json"][0] == pdf["messages_json"][0]  # untouched rows keep their JSON byte for byte
+
+    # the length policy: seq_len just below the good row's length drops it with its count, truncate keeps it cut
+    n = len(ref)
+    dropped = udfs.tokenize_check_batch(pdf.iloc[:1], "v3", seq_len=n - 1)
+    assert dropped["status"].tolist() == ["too_many_tokens"] and dropped["num_tokens"].tolist() == [n]
+    assert dropped["train_tokens"].tolist() == [0] and f"{n} tokens > dataset.seq_len={n - 1}" in dropped["detail"][0]
+    cut = udfs.tokenize_check_batch(pdf.iloc[:1], "v3", seq_len=n - 1, length_policy="truncate")
+    assert cut["status"].tolist() == [udfs.OK] and cut["length_action"].tolist() == ["truncate"]
+    assert (cut["num_tokens"].tolist(), cut["train_tokens"].tolist()) == ([n], [n - 1])

@@ -1,0 +1,91 @@
+"""The length policy: what happens to a conversation longer than ``dataset.seq_len`` tokens. Pure.
+
+Real Nemotron code and math rows average 40-48 KB, most of them longer than 4,096 Mistral tokens, so this is a
+per-run choice (``dataset.length_policy``), applied the same way by the enrichment (which counts and quarantines)
+and by packing (which builds the sequences):
+
+- ``drop`` (default): the row is quarantined as ``too_many_tokens`` with its token count; nothing of it trains.
+- ``truncate``: the prompt is kept whole and the final answer is cut at ``seq_len`` tokens, so the model learns
+  the start of the answer to its own question. A row whose prompt leaves no answer token inside ``seq_len`` is
+  dropped as above (its detail says so).
+- ``split``: the tokens are cut into ``seq_len`` chunks, each trained as its own document (the pre-existing
+  behaviour, opt-in): every token trains, but the chunks after the first see the answer without its question.
+
+The final answer is the last run of loss-mask tokens (the last assistant turn, its EOS included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from raytrain.errors import RaytrainError
+
+KEEP, DROP, TRUNCATE, SPLIT = "keep", "drop", "truncate", "split"
+TOO_MANY_TOKENS = "too_many_tokens"
+"""Quarantine reason of a conversation the policy drops."""
+
+
+@dataclass(frozen=True)
+class LengthDecision:
+    """What the policy does with one conversation."""
+
+    action: str
+    """KEEP (fits), DROP, TRUNCATE or SPLIT."""
+    num_tokens: int
+    """Tokens of the whole conversation."""
+    train_tokens: int
+    """Tokens that go into packs: num_tokens, seq_len after truncation, 0 when dropped."""
+    detail: str = ""
+    """Why a row was dropped (the quarantine detail)."""
+
+    @property
+    def tokens_removed(self) -> int:
+        return self.num_tokens - self.train_tokens
+
+
+def final_answer_start(loss_mask: Sequence[bool]) -> int:
+    """Index of the first token of the last run of True in ``loss_mask`` (len(loss_mask) when there is none)."""
+    end = len(loss_mask)
+    while end > 0 and not loss_mask[end - 1]:
+        end -= 1
+    start = end
+    while start > 0 and loss_mask[start - 1]:
+        start -= 1
+    return start if end else len(loss_mask)
+
+
+def decide_length(loss_mask: Sequence[bool], seq_len: int, policy: str) -> LengthDecision:
+    """Apply ``policy`` (drop | truncate | split) to a tokenized conversation given by its loss mask."""
+    n = len(loss_mask)
+    if policy not in (DROP, TRUNCATE, SPLIT):
+        raise RaytrainError(f"dataset.length_policy {policy!r}: choose 'drop', 'truncate' or 'split'")
+    if n <= seq_len:
+        return LengthDecision(KEEP, n, n)
+    if policy == SPLIT:
+        return LengthDecision(SPLIT, n, n)
+    if policy == TRUNCATE:
+        start = final_answer_start(loss_mask)
+        # Position t's label is token t+1: at least one answer token must sit at an index in [1, seq_len).
+        if start < seq_len:
+            return LengthDecision(TRUNCATE, n, seq_len)
+        return LengthDecision(DROP, n, 0, f"{n} tokens > dataset.seq_len={seq_len}, and the prompt alone is "
+                                          f"{start} tokens: nothing of the answer would fit (length_policy "
+                                          "truncate)")
+    return LengthDecision(DROP, n, 0, f"{n} tokens > dataset.seq_len={seq_len} (length_policy drop; "
+                                      "choose truncate or split, or a longer seq_len, to keep such rows)")
+
+
+def apply_length(input_ids: Sequence[int], loss_mask: Sequence[bool], seq_len: int, policy: str,
+                 doc_id: str = "") -> tuple[Sequence[int], Sequence[bool]]:
+    """The tokens packing uses: cut to ``seq_len`` under truncate, unchanged under split or when they fit.
+
+    A conversation the policy drops is an error here: the enrichment quarantines those, so meeting one means the
+    enriched data was made with other settings."""
+    decision = decide_length(loss_mask, seq_len, policy)
+    if decision.action == DROP:
+        raise RaytrainError(f"document {doc_id!r}: {decision.detail}; the enrichment should have quarantined it. "
+                            "Re-run the enrichment with the same dataset settings as packing.")
+    if decision.action == TRUNCATE:
+        return input_ids[:seq_len], loss_mask[:seq_len]
+    return input_ids, loss_mask
