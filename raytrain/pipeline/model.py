@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain.errors import ConfigError, RaytrainError
+from raytrain.pipeline.attention import ATTENTION_IMPLS, packed_attention
 
 IGNORE_INDEX = -100
 
@@ -206,7 +207,8 @@ def attention_mask(segment_ids: torch.Tensor, sliding_window: int | None) -> tor
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE, via scaled_dot_product_attention and an explicit mask."""
+    """Grouped-query self-attention with RoPE over packed documents; the kernel is chosen by
+    ``raytrain.pipeline.attention.packed_attention`` ("dense": SDPA with an explicit mask, the default)."""
 
     def __init__(self, cfg: MistralConfig) -> None:
         super().__init__()
@@ -215,12 +217,15 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim
+        self.sliding_window = cfg.sliding_window
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor,
+                impl: str = "dense", block_mask: Any = None) -> torch.Tensor:
+        """x (B, T, H), cos/sin (B, T, D), segment_ids (B, T) -> (B, T, H); block_mask only for impl="flex"."""
         batch_size, seq_len, _ = x.shape
         q = self.q_proj(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, D)
         k = self.k_proj(x).view(batch_size, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, D)
@@ -228,11 +233,7 @@ class Attention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # repeat each kv head for its query group: (B, nkv, T, D) -> (B, nh, T, D)
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, D)
+        out = packed_attention(q, k, v, segment_ids, self.sliding_window, impl, block_mask)  # (B, nh, T, D)
         out = out.transpose(1, 2).reshape(batch_size, seq_len, self.num_heads * self.head_dim)  # (B, T, nh*D)
         return self.o_proj(out)
 
@@ -297,24 +298,31 @@ class DecoderLayerPipe(nn.Module):
     """Decoder layer ``layer_idx`` (0-based): pre-norm attention and SwiGLU MLP with residuals.
 
     Pipeline layer index is ``layer_idx + 1``. Maps the activation tuple to a new one, ids unchanged.
+    ``attn_impl`` ("dense" | "segment" | "flex", see raytrain.pipeline.attention) picks the attention kernel; it is
+    a plain attribute, so it can be switched on a built layer.
     """
 
-    def __init__(self, cfg: MistralConfig, layer_idx: int, seed: int = 0) -> None:
+    def __init__(self, cfg: MistralConfig, layer_idx: int, seed: int = 0, attn_impl: str = "dense") -> None:
         super().__init__()
+        if attn_impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"DecoderLayerPipe attn_impl must be one of {list(ATTENTION_IMPLS)}, got {attn_impl!r}")
         self.cfg = cfg
         self.layer_idx = layer_idx
+        self.attn_impl = attn_impl
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         init_weights(self, cfg, seed, layer_idx + 1)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_mask: Any = None):
+        """``block_mask``: a FlexAttention BlockMask built once per micro-batch (attn_impl="flex" only; DeepSpeed
+        passes only ``inputs``, so without it the flex path builds one per call)."""
         hidden, position_ids, segment_ids = inputs  # (B, T, H), (B, T), (B, T)
         assert self.cfg.head_dim is not None
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
-        mask = attention_mask(segment_ids, self.cfg.sliding_window)  # (B, 1, T, T)
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, segment_ids, self.attn_impl,
+                                         block_mask)
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, position_ids, segment_ids
 
