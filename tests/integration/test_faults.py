@@ -58,8 +58,11 @@ def synthetic_conversations(n: int, seed: int = 0) -> pa.Table:
 
 
 def make_job(root, run_name: str, *extra: str):
+    # 128-token packs of the synthetic conversations (the demo packs 1,024), split where one is longer: enough
+    # sequences for MAX_STEPS steps at the cost these tests always had
     return load_job_config("configs/demo.yaml", [
-        f"storage.root={root}", "storage.user=ci", f"storage.run_name={run_name}",
+        f"storage.root={root}", "storage.user=ci", f"storage.run_name={run_name}", "dataset.seq_len=128",
+        "dataset.length_policy=split",
         f"train.max_steps={MAX_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.keep_last=3", *extra])
 
 

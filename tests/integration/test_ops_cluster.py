@@ -236,8 +236,11 @@ def new_temp_dir() -> str:
 
 
 def job_overrides(storage_root: str, run_name: str = RUN_NAME, max_steps: int = MAX_STEPS) -> list[str]:
+    # dataset.seq_len=128: the synthetic conversations are short; the demo's 1,024-token packs would hold all 64 of
+    # them in a handful of sequences, fewer than the steps need
     return [f"storage.root={storage_root}", "storage.user=ci", f"storage.run_name={run_name}",
-            f"train.max_steps={max_steps}", f"train.checkpoint_every={max_steps}", "train.warmup_steps=1"]
+            f"train.max_steps={max_steps}", f"train.checkpoint_every={max_steps}", "train.warmup_steps=1",
+            "dataset.seq_len=128"]
 
 
 def write_enriched(folder: str, num_rows: int = 64) -> None:

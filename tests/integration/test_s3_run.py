@@ -80,9 +80,12 @@ def _keys(client, prefix: str) -> dict[str, int]:
 
 
 def _job(root: str, run_name: str, endpoint: str, *extra: str):
+    # 128-token packs of the synthetic conversations (the demo packs 1,024), split where one is longer: enough
+    # sequences for MAX_STEPS steps
     return load_job_config("configs/demo.yaml", [
         f"storage.root={root}", f"storage.s3_endpoint={endpoint}", "storage.user=ci", f"storage.run_name={run_name}",
-        f"train.max_steps={MAX_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}", *extra])
+        "dataset.seq_len=128", "dataset.length_policy=split", f"train.max_steps={MAX_STEPS}",
+        f"train.checkpoint_every={CHECKPOINT_EVERY}", *extra])
 
 
 @pytest.fixture(scope="module")
