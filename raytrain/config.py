@@ -30,6 +30,8 @@ SYSTEM_PROMPT_MODES = ("keep", "select")
 """enrich.system_prompt values (raytrain.enrich.udfs.select_batch applies them)."""
 ANSWER_TEXTS = ("final", "full")
 """enrich.answer_text values (raytrain.enrich.conversation.answer_for_scoring applies them)."""
+ATTENTION_IMPLS = ("dense", "segment", "flex")
+"""model.attn_impl values (raytrain.pipeline.attention implements them)."""
 
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
 
@@ -181,6 +183,14 @@ class ModelConfig:
     """Mistral architecture preset: tiny (2 layers, hidden 64), tiny-4l, small, mistral-7b."""
     init_from: str = ""
     """Hugging Face Mistral checkpoint dir (safetensors + config.json) to start from; empty = seeded random init."""
+    attn_impl: str = "dense"
+    """Attention over packed sequences (raytrain.pipeline.attention): "dense" (one (T, T) mask, the reference),
+    "segment" (SDPA per packed document, no mask; exact, fastest on the H200 at Mistral-7B shape), "flex"
+    (FlexAttention block mask; needs CUDA: torch has no CPU backward for it)."""
+
+    def __post_init__(self) -> None:
+        _require(self.attn_impl in ATTENTION_IMPLS, "model.attn_impl",
+                 f"{self.attn_impl!r}: choose one of {list(ATTENTION_IMPLS)}")
 
 
 @dataclass(frozen=True)
@@ -296,6 +306,11 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.model.attn_impl != "flex" or self.train.use_gpu, "model.attn_impl",
+                 "'flex' needs GPUs (train.use_gpu=true): torch has no FlexAttention backward on the CPU; "
+                 "use 'segment' (exact, no mask) or 'dense' on CPUs")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ATTENTION_IMPLS = ("dense", "segment", "flex")
+from raytrain.config import ATTENTION_IMPLS
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,

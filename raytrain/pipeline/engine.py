@@ -57,10 +57,11 @@ def init_distributed(backend: str) -> None:
 
 def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, pp: int, dp: int,
                        partition_method: str, activation_checkpoint_interval: int, seed: int,
-                       init_from: str = "") -> StageEngine:
+                       init_from: str = "", attn_impl: str = "dense") -> StageEngine:
     topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     module = build_pipeline_module(model_cfg, pp, topology=topology, partition_method=partition_method,
-                                   activation_checkpoint_interval=activation_checkpoint_interval, seed=seed)
+                                   activation_checkpoint_interval=activation_checkpoint_interval, seed=seed,
+                                   attn_impl=attn_impl)
     if init_from:
         from raytrain.pipeline.hf_io import load_hf_into_stage
 

@@ -354,20 +354,22 @@ class LMHeadPipe(nn.Module):
         return F.linear(hidden, self.weight)  # (B, T, V)
 
 
-def layer_constructors(cfg: MistralConfig, seed: int = 0) -> list[tuple[type[nn.Module], tuple, dict]]:
+def layer_constructors(cfg: MistralConfig, seed: int = 0, attn_impl: str = "dense"
+                       ) -> list[tuple[type[nn.Module], tuple, dict]]:
     """The pipeline layers in order, as (class, args, kwargs): the one definition of the layer sequence."""
     layers: list[tuple[type[nn.Module], tuple, dict]] = [(EmbeddingPipe, (cfg,), {"seed": seed})]
-    layers += [(DecoderLayerPipe, (cfg, i), {"seed": seed}) for i in range(cfg.num_hidden_layers)]
+    layers += [(DecoderLayerPipe, (cfg, i), {"seed": seed, "attn_impl": attn_impl})
+               for i in range(cfg.num_hidden_layers)]
     layers += [(FinalNormPipe, (cfg,), {"seed": seed}), (LMHeadPipe, (cfg,), {"seed": seed})]
     return layers
 
 
-def build_sequential(cfg: MistralConfig, seed: int = 0) -> nn.Sequential:
+def build_sequential(cfg: MistralConfig, seed: int = 0, attn_impl: str = "dense") -> nn.Sequential:
     """All pipeline layers in one nn.Sequential (single-process reference, tests, parameter counting).
 
     Child ``i`` is pipeline layer ``i``, so ``state_dict`` keys are ``f"{i}.{local_name}"``.
     """
-    return nn.Sequential(*[cls(*args, **kwargs) for cls, args, kwargs in layer_constructors(cfg, seed)])
+    return nn.Sequential(*[cls(*args, **kwargs) for cls, args, kwargs in layer_constructors(cfg, seed, attn_impl)])
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

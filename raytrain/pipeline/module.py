@@ -88,12 +88,13 @@ def stage_parameter_names(cfg: MistralConfig, layer_range: tuple[int, int]) -> d
 
 def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
                           partition_method: str = DEFAULT_PARTITION_METHOD, activation_checkpoint_interval: int = 0,
-                          seed: int = 0) -> PipelineModule:
+                          seed: int = 0, attn_impl: str = "dense") -> PipelineModule:
     """The Mistral PipelineModule for this process's stage (needs ``deepspeed.init_distributed`` first).
 
     Layers are LayerSpecs, so a process only allocates its own stage. Each layer draws its init from
     (seed, layer index), so the weights do not depend on ``num_stages`` or the partition. ``topology`` (a DeepSpeed
     ProcessTopology) overrides the default pipe x data layout and must have ``num_stages`` on its 'pipe' axis.
+    ``attn_impl`` picks every decoder layer's attention kernel (raytrain.pipeline.attention).
     Activation checkpointing only wraps decoder layers: DeepSpeed's reentrant checkpoint would cut the embedding off
     from its gradient (its inputs are integer ids that cannot require grad).
     """
@@ -103,7 +104,7 @@ def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
                           "make them agree")
     if activation_checkpoint_interval < 0:
         raise ConfigError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
-    specs = [LayerSpec(cls, *args, **kwargs) for cls, args, kwargs in layer_constructors(cfg, seed)]
+    specs = [LayerSpec(cls, *args, **kwargs) for cls, args, kwargs in layer_constructors(cfg, seed, attn_impl)]
     return PipelineModule(
         layers=specs,
         num_stages=None if topology is not None else num_stages,

@@ -50,7 +50,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     stage = build_stage_engine(model_cfg, loop_config["ds_config"], pp=tc.pp, dp=tc.dp,
                                partition_method=tc.partition_method,
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,
-                               seed=tc.seed, init_from=job.model.init_from)
+                               seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl)
     assert (stage.stage, stage.dp_rank) == (topo.stage, topo.dp_rank), "DeepSpeed topology disagrees with ours"
 
     run_root = resolve(loop_config["run_uri"], s3_endpoint=job.storage.s3_endpoint or None)

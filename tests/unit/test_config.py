@@ -27,6 +27,14 @@ def test_dotted_overrides_are_typed():
     assert cfg.storage.run_name == "exp1"
 
 
+def test_attn_impl_choices():
+    assert load_job_config(DEMO).model.attn_impl == "dense"
+    assert load_job_config(DEMO, ["model.attn_impl=segment"]).model.attn_impl == "segment"
+    assert load_job_config(DEMO, ["model.attn_impl=flex", "train.use_gpu=true"]).model.attn_impl == "flex"
+    for gpu_config in ("configs/mistral7b-1node-8gpu.yaml", "configs/mistral7b-2node-16gpu.yaml"):
+        assert load_job_config(gpu_config).model.attn_impl == "segment"
+
+
 def test_config_is_frozen():
     cfg = load_job_config(DEMO)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -49,6 +57,8 @@ def test_unknown_key_is_named_with_a_suggestion():
     ("storage.run_name=../escape", "storage.run_name"),
     ("enrich.question_weight=1.5", "enrich.question_weight"),
     ("train.lr=true", "train.lr"),
+    ("model.attn_impl=sparse", "model.attn_impl"),
+    ("model.attn_impl=flex", "model.attn_impl"),  # flex without train.use_gpu: torch has no CPU backward
 ])
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
