@@ -1,4 +1,4 @@
-"""`raytrain` command line: run / enrich / train / export / status / fetch-jars.
+"""`raytrain` command line: run / enrich / train / export / generate / status / fetch-jars.
 
 Exit codes: 0 ok, 1 the job failed, 2 bad usage or config.
 """
@@ -19,6 +19,7 @@ EPILOG = """examples:
   raytrain run                                   # the embedded demo: local Ray, sample data, tiny Mistral
   raytrain run configs/demo.yaml train.max_steps=20 storage.run_name=exp1
   raytrain status --root ./runs
+  raytrain export && raytrain generate runs/$USER/demo/demo "Why is the sky blue?"  # chat with the export
 
 exit codes: 0 ok, 1 the job failed (or a path/input problem), 2 bad usage or config
 """
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a run's latest checkpoint to a Hugging Face directory")
     _add_config_args(p)
     p.add_argument("--out", default="", help="output dir (default: <run>/exports/step_N)")
+    p = sub.add_parser("generate", help="answer a prompt with an exported model (transformers, greedy)")
+    p.add_argument("model", help="an export folder, or a run folder (its newest exports/step_N)")
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--system", default="", help="system prompt (default: none)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p = sub.add_parser("status", help="runs and checkpoints under a storage root, as a table")
     p.add_argument("--root", default="./runs", help="storage root (default ./runs)")
     p = sub.add_parser("fetch-jars", help="download the hadoop-aws + AWS SDK jars Spark needs for s3:// (from PyPI)")
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print("raytrain: error: a COMMAND is required (run, enrich, train, export, status, fetch-jars); see "
+        print("raytrain: error: a COMMAND is required (run, enrich, train, export, generate, status, fetch-jars); see "
               "raytrain --help",
               file=sys.stderr)
         return 2
@@ -86,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
 
             for path in fetch_s3a_jars(args.dest or None):
                 print(f"raytrain: {path}")
+            return 0
+        if args.command == "generate":
+            from raytrain.generate import generate
+
+            result = generate(args.model, args.prompt, system=args.system, max_new_tokens=args.max_new_tokens)
+            print(f"raytrain: {result.model_dir}: {len(result.prompt_ids)} prompt tokens, "
+                  f"{len(result.new_ids)} generated", file=sys.stderr)
+            print(result.text)
             return 0
         from raytrain.config import load_job_config
 

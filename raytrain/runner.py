@@ -245,5 +245,6 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
         if not exports.is_posix:
             raise RaytrainError("exporting to an object store needs --out with a local directory")
         out_dir = exports.path
-    export_to_hf(os.path.join(local, DS_TAG), MistralConfig.preset(job.model.preset), out_dir)
+    export_to_hf(os.path.join(local, DS_TAG), MistralConfig.preset(job.model.preset), out_dir,
+                 tokenizer=job.dataset.tokenizer)
     return out_dir

@@ -103,8 +103,8 @@ def load_tokenizer(version: str = "v3") -> MistralTokenizer:
     return _load_tokenizer(version)
 
 
-@functools.cache  # keyed on the version string, so load_tokenizer() and load_tokenizer("v3") share one
-def _load_tokenizer(version: str) -> MistralTokenizer:
+def tokenizer_file(version: str) -> Path:
+    """The SentencePiece file of tokenizer ``version`` shipped inside mistral-common (no network)."""
     if version not in TOKENIZER_FILES:
         raise RaytrainError(
             f"tokenizer version {version!r} is not supported; choose one of {sorted(TOKENIZER_FILES)} "
@@ -113,6 +113,12 @@ def _load_tokenizer(version: str) -> MistralTokenizer:
     path = Path(mistral_common.__file__).parent / "data" / TOKENIZER_FILES[version]
     if not path.is_file():
         raise RaytrainError(f"tokenizer file {path} is missing; reinstall mistral-common==1.13.1.")
+    return path
+
+
+@functools.cache  # keyed on the version string, so load_tokenizer() and load_tokenizer("v3") share one
+def _load_tokenizer(version: str) -> MistralTokenizer:
+    path = tokenizer_file(version)
     try:
         return MistralTokenizer.from_file(str(path), mode=ValidationMode.finetuning)
     except ImportError as exc:  # sentencepiece is an optional extra of mistral-common

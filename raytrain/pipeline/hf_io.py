@@ -126,8 +126,12 @@ def _check_layer_files(tag_dir: Path, cfg: MistralConfig) -> None:
 
 
 def export_to_hf(ds_checkpoint_tag_dir: str | os.PathLike, cfg: MistralConfig, out_dir: str | os.PathLike, *,
-                 dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+                 dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+                 tokenizer: str | None = None) -> Path:
     """Write ``config.json``, ``generation_config.json`` and safetensors weights that MistralForCausalLM loads.
+
+    ``tokenizer`` ("v1" | "v3"): also write that tokenizer's files (``raytrain.dataset.hf_tokenizer``), so
+    ``AutoTokenizer.from_pretrained(out_dir)`` loads it and its chat template encodes as training did.
 
     ``ds_checkpoint_tag_dir`` is ``<save_dir>/<tag>`` holding ``layer_XX-model_states.pt`` for all L+3 pipeline
     layers. ``dtype`` casts floating tensors (default: keep). Weights above ``max_shard_bytes`` are split into
@@ -200,6 +204,10 @@ def export_to_hf(ds_checkpoint_tag_dir: str | os.PathLike, cfg: MistralConfig, o
     if dtype is not None:
         hf_config.dtype = dtype
     GenerationConfig.from_model_config(hf_config).save_pretrained(out_path)
+    if tokenizer is not None:
+        from raytrain.dataset.hf_tokenizer import save_hf_tokenizer
+
+        save_hf_tokenizer(tokenizer, out_path)
     hf_config.save_pretrained(out_path)  # config.json last: a folder without it is visibly incomplete
     return out_path
 

@@ -147,6 +147,18 @@ def test_from_pretrained_logits_equal_the_pipeline_layers(exported, reference_la
     torch.testing.assert_close(hf_logits, ours, rtol=1e-5, atol=1e-5)
 
 
+def _our_greedy(model: torch.nn.Sequential, prompt: torch.Tensor, eos: int) -> list[int]:
+    """Greedy decoding with our layers, full recompute per token."""
+    ids, new_ids = prompt, []
+    for _ in range(NEW_TOKENS):
+        next_id = int(_our_logits(model, ids)[0, -1].argmax())
+        new_ids.append(next_id)
+        if next_id == eos:
+            break
+        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    return new_ids
+
+
 def test_generate_matches_our_greedy_decoding_and_decodes(exported, reference_layers):
     hf = transformers.MistralForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
     prompt = _prompt_ids()
@@ -154,14 +166,7 @@ def test_generate_matches_our_greedy_decoding_and_decodes(exported, reference_la
     with torch.no_grad():
         generated = hf.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=eos)
     new_tokens = generated[0, prompt.shape[1]:].tolist()
-
-    ids, expected = prompt, []  # greedy decoding with our layers, full recompute per token
-    for _ in range(NEW_TOKENS):
-        next_id = int(_our_logits(reference_layers, ids)[0, -1].argmax())
-        expected.append(next_id)
-        if next_id == eos:
-            break
-        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    expected = _our_greedy(reference_layers, prompt, eos)
     assert new_tokens == expected
 
     tokenizer = _tokenizer()
@@ -169,3 +174,20 @@ def test_generate_matches_our_greedy_decoding_and_decodes(exported, reference_la
     text = tokenizer.decode(new_tokens)
     assert isinstance(text, str)
     print(f"\ngenerated ids {new_tokens} -> {text!r}")
+
+
+def test_export_serves_with_its_own_tokenizer_and_raytrain_generate(exported, reference_layers, capsys):
+    """AutoTokenizer loads the export; its chat template gives mistral-common's prompt; `raytrain generate` answers
+    with the greedy tokens of our own layers, decoded."""
+    from raytrain.cli import main
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    messages = [{"role": "user", "content": "Tell me about tides and glaciers."}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(prompt_ids) == _prompt_ids()[0].tolist()
+
+    expected = _our_greedy(reference_layers, _prompt_ids(), tokenizer.eos_token_id)
+    assert main(["generate", exported, messages[0]["content"], "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == tokenizer.decode(expected, skip_special_tokens=True) + "\n"
+    assert f"{len(prompt_ids)} prompt tokens, {len(expected)} generated" in captured.err
