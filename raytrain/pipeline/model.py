@@ -372,17 +372,25 @@ def build_sequential(cfg: MistralConfig, seed: int = 0, attn_impl: str = "dense"
     return nn.Sequential(*[cls(*args, **kwargs) for cls, args, kwargs in layer_constructors(cfg, seed, attn_impl)])
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean fp32 cross-entropy over tokens whose label is not -100.
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """fp32 cross-entropy over tokens whose label is not -100: their mean, or their sum times a given scale.
 
     ``labels`` (B, T) are already next-token targets aligned with ``logits`` (B, T, V) (the packer shifted them);
-    no shift happens here. A batch with no target tokens gives 0 (not NaN), so one empty micro-batch does not
-    poison the step.
+    no shift happens here. ``labels`` may come as ``(labels, loss_scale)``, as the training feed sends them
+    (raytrain.trainer.feed: ``loss_scale = dp * m / targets of the global batch``): the result is then the summed
+    token loss times ``loss_scale``, which DeepSpeed's accumulation and dp averaging turn into the mean over the
+    global batch's target tokens. A batch with no target tokens gives 0 (not NaN), so one empty micro-batch does
+    not poison the step.
     """
+    loss_scale = None
+    if isinstance(labels, tuple | list):
+        labels, loss_scale = labels
     vocab_size = logits.shape[-1]
     flat_logits = logits.reshape(-1, vocab_size).float()  # (B*T, V)
     flat_labels = labels.reshape(-1).to(flat_logits.device)  # (B*T,)
     loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if loss_scale is not None:
+        return loss_sum * loss_scale.to(loss_sum.device, torch.float32)
     num_targets = (flat_labels != IGNORE_INDEX).sum().clamp(min=1)
     return loss_sum / num_targets
 

@@ -224,3 +224,35 @@ def test_pipeline_split_does_not_change_the_math(pp2_dp2, pp1_dp2):
     losses_pp2 = [m["loss"] for m in pp2_dp2[2]["metrics"]]
     losses_pp1 = [m["loss"] for m in pp1_dp2[2]["metrics"]]
     assert losses_pp2 == pytest.approx(losses_pp1, rel=1e-5)
+
+
+def test_first_step_loss_is_the_token_mean_over_the_global_batch(pp2_dp2):
+    """pp=2 x dp=2: the step-1 loss equals a single-process forward of the seeded initial model over the step's
+    dp * m micro-batches (read from the packed files by pyarrow), summed over every target token and divided by
+    their count: token-weighted across micro-batches and replicas (raytrain.trainer.feed's loss_scale)."""
+    import numpy as np
+    import torch
+
+    from raytrain.pipeline.model import IGNORE_INDEX, build_sequential
+
+    job, _summary, reports = pp2_dp2
+    tc = job.train
+    packed = open_run(job).root.join("data", "packed").path
+    with open(os.path.join(packed, "_manifest.json")) as f:
+        files = json.load(f)["files"]
+    columns = ["input_ids", "position_ids", "segment_ids", "labels"]
+    table = pa.concat_tables([pq.read_table(os.path.join(packed, name), columns=columns) for name in files])
+    rows = tc.dp * tc.grad_accum_steps * tc.micro_batch_size  # the global batch of step 1, in order
+    tensors = [torch.from_numpy(np.array(table.column(c).to_pylist()[:rows], dtype=np.int64)) for c in columns]
+    model = build_sequential(MistralConfig.preset(job.model.preset), seed=tc.seed).eval()
+    loss_sum, targets = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, rows, tc.micro_batch_size):
+            ids, pos, seg, labels = (t[start:start + tc.micro_batch_size] for t in tensors)
+            logits = model((ids, pos, seg))
+            loss_sum += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                reduction="sum"))
+            targets += int((labels != IGNORE_INDEX).sum())
+    assert reports["metrics"][0]["step"] == 1
+    assert reports["metrics"][0]["loss"] == pytest.approx(loss_sum / targets, rel=1e-5)

@@ -235,6 +235,47 @@ def test_activation_checkpointing_gives_the_same_gradients(gloo_group, hf_dir):
         torch.testing.assert_close(results[1][name], results[0][name], rtol=0.0, atol=1e-6, msg=name)
 
 
+def test_loss_is_token_weighted_over_the_global_batch(gloo_group, hf_dir):
+    """Micro-batches with very uneven target counts, fed through the training feed (loss_scale): the engine's loss
+    and gradients equal transformers' with num_items_in_batch = all targets of the step (sum / N, not a mean of
+    per-micro-batch means)."""
+    from raytrain.trainer.feed import micro_batches as feed_micro_batches
+
+    generator = torch.Generator().manual_seed(21)
+    numpy_batches, hf_batches = [], []
+    for keep in (2, SEQ_LEN):  # micro-batch 0: 1 target per row; micro-batch 1: all but the last position
+        input_ids = torch.randint(0, CFG.vocab_size, (MICRO_BATCH_SIZE, SEQ_LEN), generator=generator)
+        hf_labels = input_ids.clone()
+        hf_labels[:, keep:] = -100
+        hf_labels[:, 0] = -100
+        shifted = torch.cat([hf_labels[:, 1:], torch.full_like(hf_labels[:, :1], -100)], dim=1)
+        position_ids = torch.arange(SEQ_LEN).expand(MICRO_BATCH_SIZE, SEQ_LEN)
+        numpy_batches.append({"input_ids": input_ids.numpy(), "position_ids": position_ids.numpy(),
+                              "segment_ids": torch.zeros_like(input_ids).numpy(), "labels": shifted.numpy(),
+                              "doc_ids": [f"d{len(numpy_batches)}-{r}" for r in range(MICRO_BATCH_SIZE)]})
+        hf_batches.append((input_ids, hf_labels))
+    num_targets = sum(int((labels[:, 1:] != -100).sum()) for _, labels in hf_batches)
+    assert num_targets == MICRO_BATCH_SIZE * (1 + SEQ_LEN - 1)
+
+    module = build_pipeline_module(CFG, num_stages=1)
+    load_hf_into_stage(module, hf_dir)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(), model_parameters=module.parameters())
+    grads = capture_gradients(engine, module)
+    feed = feed_micro_batches(lambda epoch: iter(numpy_batches), start_position=0, micro_batches_per_epoch=2,
+                              dp_rank=0, dp=1, grad_accum_steps=GRAD_ACCUM)
+    loss = float(engine.train_batch(data_iter=feed))
+
+    reference = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
+    ref_loss = sum(reference(input_ids=ids, labels=labels, num_items_in_batch=num_targets).loss
+                   for ids, labels in hf_batches)
+    ref_loss.backward()
+    assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+    mean_of_means = sum(float(reference(input_ids=ids, labels=labels).loss) for ids, labels in hf_batches) / 2
+    assert abs(loss - mean_of_means) > 1e-3, "the micro-batches must be uneven enough to tell the two apart"
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-8, msg=name)
+
+
 def packed_micro_batches(num: int, seed: int = 7):
     """Engine micro-batches of packed rows: three documents per row (segment ids 0, 1, 2, positions restarting)."""
     generator = torch.Generator().manual_seed(seed)
