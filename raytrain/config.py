@@ -180,7 +180,8 @@ class DatasetConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     preset: str = "tiny"
-    """Mistral architecture preset: tiny (2 layers, hidden 64), tiny-4l, small, mistral-7b."""
+    """Mistral architecture preset: tiny (2 layers, hidden 64), tiny-4l, small, mistral-7b; or "hf" = the
+    config.json of init_from (e.g. Mistral-7B-v0.3: vocab 32768, rope_theta 1e6, no sliding window)."""
     init_from: str = ""
     """Hugging Face Mistral checkpoint dir (safetensors + config.json) to start from; empty = seeded random init."""
     attn_impl: str = "dense"
@@ -189,6 +190,8 @@ class ModelConfig:
     (FlexAttention block mask; needs CUDA: torch has no CPU backward for it)."""
 
     def __post_init__(self) -> None:
+        _require(self.preset != "hf" or bool(self.init_from), "model.preset",
+                 "'hf' takes the architecture from model.init_from's config.json: set model.init_from")
         _require(self.attn_impl in ATTENTION_IMPLS, "model.attn_impl",
                  f"{self.attn_impl!r}: choose one of {list(ATTENTION_IMPLS)}")
 

@@ -190,14 +190,18 @@ def preflight(run: Run) -> None:
     """Cheap checks before any cluster work, so a bad setting fails in seconds with a clear message."""
     from raytrain.enrich.spark import find_java
     from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
-    from raytrain.pipeline.model import MistralConfig
+    from raytrain.pipeline.model import model_config
 
     job = run.job
     derive_ds_config(load_ds_config(job.train.ds_config), job.train, ds_path=job.train.ds_config)
-    preset = MistralConfig.preset(job.model.preset)
-    if job.train.pp > preset.num_hidden_layers + 3:
-        raise RaytrainError(f"train.pp={job.train.pp} stages for a model of {preset.num_hidden_layers + 3} "
+    model_cfg = model_config(job.model.preset, job.model.init_from)
+    if job.train.pp > model_cfg.num_pipeline_layers:
+        raise RaytrainError(f"train.pp={job.train.pp} stages for a model of {model_cfg.num_pipeline_layers} "
                             "pipeline layers; lower train.pp")
+    if job.model.init_from and os.path.isdir(job.model.init_from):  # else the workers check it where it is mounted
+        from raytrain.pipeline.hf_io import check_hf_config
+
+        check_hf_config(job.model.init_from, model_cfg)
     _check_model_fits_tokenizer(job)
     from raytrain.dataset.stream import load_packed
 
@@ -216,10 +220,10 @@ def preflight(run: Run) -> None:
 
 
 def _check_model_fits_tokenizer(job: JobConfig) -> None:
-    from raytrain.pipeline.model import MistralConfig
+    from raytrain.pipeline.model import model_config
 
     vocab = {"v1": 32000, "v3": 32768}[job.dataset.tokenizer]
-    model_vocab = MistralConfig.preset(job.model.preset).vocab_size
+    model_vocab = model_config(job.model.preset, job.model.init_from).vocab_size
     if model_vocab < vocab:
         raise RaytrainError(f"model.preset={job.model.preset!r} has vocab {model_vocab} < {vocab} tokens of "
                             f"dataset.tokenizer={job.dataset.tokenizer!r}; pick a matching tokenizer or preset")
@@ -232,7 +236,7 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
     from raytrain.checkpoint.store import CheckpointStore
     from raytrain.pipeline.engine import DS_TAG
     from raytrain.pipeline.hf_io import export_to_hf
-    from raytrain.pipeline.model import MistralConfig
+    from raytrain.pipeline.model import model_config
 
     run = open_run(job)
     store = CheckpointStore(run.root)
@@ -245,6 +249,6 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
         if not exports.is_posix:
             raise RaytrainError("exporting to an object store needs --out with a local directory")
         out_dir = exports.path
-    export_to_hf(os.path.join(local, DS_TAG), MistralConfig.preset(job.model.preset), out_dir,
+    export_to_hf(os.path.join(local, DS_TAG), model_config(job.model.preset, job.model.init_from), out_dir,
                  tokenizer=job.dataset.tokenizer)
     return out_dir

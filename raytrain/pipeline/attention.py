@@ -28,7 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from raytrain.config import ATTENTION_IMPLS
+ATTENTION_IMPLS = ("dense", "segment", "flex")
+"""The implementations; raytrain.config.ATTENTION_IMPLS (model.attn_impl) names the same (a test checks): this
+module stays importable without the config's dependencies, for benchmarks/gpu_stage_mfu.py on a bare GPU box."""
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,

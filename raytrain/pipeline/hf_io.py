@@ -26,9 +26,6 @@ from raytrain.pipeline.module import stage_range
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
-# Fields of config.json that must agree with our MistralConfig for the tensors to mean the same thing.
-_ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim")
 
 
 def _key_to_file(hf_dir: Path) -> dict[str, Path]:
@@ -45,19 +42,17 @@ def _key_to_file(hf_dir: Path) -> dict[str, Path]:
                         "folder written by save_pretrained(..., safe_serialization=True)")
 
 
-def _check_hf_config(hf_dir: Path, cfg: MistralConfig) -> None:
-    config_path = hf_dir / "config.json"
+def check_hf_config(hf_dir: str | os.PathLike, cfg: MistralConfig) -> None:
+    """Every field that changes the math (shapes, rope_theta, sliding_window, rms_norm_eps, ...) must agree."""
+    config_path = Path(hf_dir) / "config.json"
     if not config_path.is_file():
         return  # weights only: shapes are still checked tensor by tensor
-    hf_config = json.loads(config_path.read_text())
-    ours = cfg.to_dict()
-    if hf_config.get("head_dim") is None:
-        hf_config["head_dim"] = hf_config["hidden_size"] // hf_config["num_attention_heads"]
-    mismatched = {f: (hf_config.get(f), ours[f]) for f in _ARCH_FIELDS if hf_config.get(f) != ours[f]}
+    theirs, ours = MistralConfig.from_hf_config(hf_dir).math_fields(), cfg.math_fields()
+    mismatched = {f: (theirs[f], ours[f]) for f in ours if theirs[f] != ours[f]}
     if mismatched:
-        detail = ", ".join(f"{f}: checkpoint {theirs} vs config {mine}" for f, (theirs, mine) in mismatched.items())
-        raise RaytrainError(f"{config_path} does not match the model config ({detail}); use the matching "
-                            "model preset or a checkpoint of this architecture")
+        detail = ", ".join(f"{f}: checkpoint {a} vs config {b}" for f, (a, b) in mismatched.items())
+        raise RaytrainError(f"{config_path} does not match the model config ({detail}); use model.preset=hf to take "
+                            "the architecture from the checkpoint, or a checkpoint of this architecture")
 
 
 @torch.no_grad()
@@ -69,7 +64,7 @@ def load_hf_into_layers(layers: Sequence[nn.Module], first_layer_index: int, cfg
     dtype and device. Returns the HF keys loaded. Raises RaytrainError naming a missing key or a shape mismatch.
     """
     hf_path = Path(hf_dir)
-    _check_hf_config(hf_path, cfg)
+    check_hf_config(hf_path, cfg)
     key_to_file = _key_to_file(hf_path)
     wanted: dict[Path, list[tuple[str, torch.Tensor]]] = {}
     for offset, layer in enumerate(layers):
@@ -212,4 +207,4 @@ def export_to_hf(ds_checkpoint_tag_dir: str | os.PathLike, cfg: MistralConfig, o
     return out_path
 
 
-__all__ = ["load_hf_into_layers", "load_hf_into_stage", "export_to_hf"]
+__all__ = ["check_hf_config", "load_hf_into_layers", "load_hf_into_stage", "export_to_hf"]

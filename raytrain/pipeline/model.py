@@ -15,7 +15,10 @@ gradients.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -108,6 +111,42 @@ class MistralConfig:
             raise ConfigError(f"unknown MistralConfig field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**values)
 
+    @classmethod
+    def from_hf_config(cls, hf_dir: str | os.PathLike) -> MistralConfig:
+        """The architecture of a Hugging Face Mistral folder, read from its ``config.json``.
+
+        Reads both layouts of the RoPE base: top-level ``rope_theta`` (the Mistral releases' files) and
+        ``rope_parameters.rope_theta`` (transformers 5). Refuses what this model does not implement (another model
+        type, another activation, RoPE scaling, tied embeddings) with the field named.
+        """
+        path = Path(hf_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path} is missing: model.preset=hf reads the architecture from model.init_from's "
+                              "config.json (a save_pretrained folder)")
+        hf = json.loads(path.read_text())
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        problems = []
+        if hf.get("model_type") != "mistral":
+            problems.append(f"model_type is {hf.get('model_type')!r}, not 'mistral'")
+        if hf.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act is {hf.get('hidden_act')!r}, not 'silu'")
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            problems.append(f"RoPE scaling {rope!r} is not implemented (default RoPE only)")
+        if hf.get("tie_word_embeddings"):
+            problems.append("tie_word_embeddings is true (Mistral is untied)")
+        if problems:
+            raise ConfigError(f"{path}: " + "; ".join(problems))
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        fields = {name: hf[name] for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                              "num_attention_heads", "num_key_value_heads",
+                                              "max_position_embeddings", "head_dim", "rms_norm_eps",
+                                              "initializer_range") if hf.get(name) is not None}
+        return cls(**fields, rope_theta=float(theta), sliding_window=hf.get("sliding_window"))
+
+    def math_fields(self) -> dict[str, Any]:
+        """The fields that change what the weights compute (all but metadata: max_position_embeddings, init)."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("max_position_embeddings", "initializer_range")}
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (head_dim resolved); inverse of from_dict."""
         return dataclasses.asdict(self)
@@ -189,6 +228,16 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def model_config(preset: str, init_from: str = "") -> MistralConfig:
+    """The architecture a job trains (job.model): a named preset, or "hf" = the config.json of ``init_from``."""
+    if preset == "hf":
+        if not init_from:
+            raise ConfigError("model.preset=hf takes the architecture from model.init_from's config.json; set "
+                              "model.init_from to a Hugging Face Mistral folder")
+        return MistralConfig.from_hf_config(init_from)
+    return MistralConfig.preset(preset)
 
 
 def attention_mask(segment_ids: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -423,7 +472,7 @@ def count_parameters(cfg: MistralConfig) -> int:
 
 
 __all__ = [
-    "IGNORE_INDEX", "MistralConfig", "RMSNorm", "Attention", "MLP", "EmbeddingPipe", "DecoderLayerPipe",
+    "IGNORE_INDEX", "MistralConfig", "model_config", "RMSNorm", "Attention", "MLP", "EmbeddingPipe", "DecoderLayerPipe",
     "FinalNormPipe", "LMHeadPipe", "attention_mask", "rope_cos_sin", "init_weights", "layer_constructors",
     "build_sequential", "causal_lm_loss", "hf_prefix", "layer_parameter_counts", "count_parameters",
 ]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig, load_job_config
 from raytrain.pipeline.flops import flops_per_token, pipeline_bubble_fraction
-from raytrain.pipeline.model import MistralConfig
+from raytrain.pipeline.model import model_config
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches
@@ -46,7 +46,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     # ---- setup -------------------------------------------------------------------------------------------------
     init_distributed("nccl" if tc.use_gpu else "gloo")
-    model_cfg = MistralConfig.preset(job.model.preset)
+    model_cfg = model_config(job.model.preset, job.model.init_from)
     stage = build_stage_engine(model_cfg, loop_config["ds_config"], pp=tc.pp, dp=tc.dp,
                                partition_method=tc.partition_method,
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,

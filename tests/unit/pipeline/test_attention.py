@@ -11,6 +11,7 @@ import torch
 
 from raytrain.errors import ConfigError
 from raytrain.pipeline.attention import (
+    ATTENTION_IMPLS,
     dense_attention,
     flex_attention_packed,
     flex_block_mask,
@@ -54,6 +55,12 @@ def _output_and_grads(fn, q, k, v):
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.device)
     q_grad, k_grad, v_grad = torch.autograd.grad(out, (q, k, v), grad_out)
     return out, q_grad, k_grad, v_grad
+
+
+def test_the_config_offers_exactly_these_implementations():
+    from raytrain import config
+
+    assert config.ATTENTION_IMPLS == ATTENTION_IMPLS
 
 
 def test_segment_bounds_are_contiguous_runs():
