@@ -1,6 +1,7 @@
 """Fuzz the inputs a user controls: the job config (YAML file + dotted overrides) and the enrichment reader's pure
 parts (input schema check, row -> Example/Quarantined, Parquet footer check). Every case must end in a JobConfig /
-Example / row count, or in RaytrainError (ConfigError) / a Quarantined record: never another exception, never a hang.
+Example / row count, or in RaytrainError (ConfigError) / a Quarantined record: never another exception (the time per
+family is printed, not asserted: timings are never asserted on these noisy machines).
 
 hypothesis is not installed in the venv, so the cases come from a seeded random generator (reproducible: a failure
 message carries the case). Each family runs a few hundred cases; the whole module takes a few seconds.
@@ -29,7 +30,6 @@ from raytrain.errors import ConfigError, RaytrainError
 from raytrain.storage import resolve
 
 DEMO_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml")
-CASE_BUDGET_S = 10.0  # per family: a hang or a quadratic blow-up shows as a timeout, not a stuck suite
 
 # every dotted field of the job config, from the dataclasses themselves
 FIELDS = [f"{section}.{name}" for section, values in JobConfig().to_dict().items() for name in values]
@@ -53,7 +53,6 @@ class Outcomes:
         elapsed = time.perf_counter() - self.t0
         assert not self.bad, f"{family}: {len(self.bad)} case(s) raised outside RaytrainError:\n" + "\n".join(
             sorted(set(self.bad))[:25])
-        assert elapsed < CASE_BUDGET_S, f"{family}: {elapsed:.1f}s for {sum(self.counts.values())} cases"
         print(f"[fuzz] {family}: {sum(self.counts.values())} cases {self.counts} in {elapsed:.2f}s")
 
 
