@@ -166,6 +166,11 @@ class DatasetConfig:
     text_with_tool_calls: str = "drop_text"
     """v3 only (v1 keeps both): an assistant turn with text (e.g. a <think> trace) and tool calls cannot be encoded;
     'drop_text' keeps the calls and drops the text (counted in the enrich report), 'quarantine' quarantines the row."""
+    validation_fraction: float = 0.0
+    """Share of the enriched rows held out for validation (eval loss), chosen by a hash of the uuid: the same rows
+    on every rerun and resume, never trained on. 0 = no validation set."""
+    validation_max_rows: int = 2000
+    """Cap on the held-out rows: the fraction is lowered to about this many rows of a large dataset."""
 
     def __post_init__(self) -> None:
         _require(self.tokenizer in ("v1", "v3"), "dataset.tokenizer", f"{self.tokenizer!r}: choose 'v1' or 'v3'")
@@ -173,6 +178,8 @@ class DatasetConfig:
                  f"{self.text_with_tool_calls!r}: choose "
                  + " or ".join(repr(p) for p in TEXT_WITH_TOOL_CALLS_POLICIES))
         _require(self.seq_len >= 8, "dataset.seq_len", "must be >= 8")
+        _require(0.0 <= self.validation_fraction < 1.0, "dataset.validation_fraction", "must be in [0, 1)")
+        _require(self.validation_max_rows >= 0, "dataset.validation_max_rows", "must be >= 0")
         _require(self.length_policy in LENGTH_POLICIES, "dataset.length_policy",
                  f"{self.length_policy!r}: choose " + " or ".join(repr(p) for p in LENGTH_POLICIES))
 
@@ -223,6 +230,9 @@ class TrainConfig:
     """Gradient norm clipping (0 disables)."""
     seed: int = 0
     """Seed for model init and data order."""
+    eval_every: int = 0
+    """Validation loss every this many steps (0 = only at the end), and always at the last step; needs
+    dataset.validation_fraction > 0."""
     checkpoint_every: int = 5
     """Save a checkpoint every N optimizer steps (and at the last step)."""
     keep_last: int = 3
@@ -253,6 +263,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "micro_batch_size", "grad_accum_steps", "max_steps", "checkpoint_every", "keep_last"):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the last step)")
         _require(0 <= self.stop_at_step <= self.max_steps, "train.stop_at_step",
                  "must be in [0, train.max_steps] (0 = run to max_steps)")
         _require(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),

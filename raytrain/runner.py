@@ -155,9 +155,13 @@ def _train(run: Run, packed, max_failures: int) -> dict[str, Any]:
     from raytrain.dataset.stream import training_dataset
     from raytrain.trainer.launch import train
 
-    result = train(run.job, run.root, training_dataset(packed), packed.num_packs, max_failures=max_failures)
+    held_out = packed.validation
+    result = train(run.job, run.root, training_dataset(packed), packed.num_packs, max_failures=max_failures,
+                   validation=training_dataset(held_out) if held_out else None,
+                   validation_packs=held_out.num_packs if held_out else 0)
     summary = {"run": run.root.uri, "checkpoints": result.checkpoint_dir, "final": result.final_metrics,
-               "num_packs": packed.num_packs, "config_hash": run.job.config_hash()}
+               "num_packs": packed.num_packs, "validation_packs": held_out.num_packs if held_out else 0,
+               "config_hash": run.job.config_hash()}
     write_report(run, "run_summary.json", summary)
     return summary
 

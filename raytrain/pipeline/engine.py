@@ -35,8 +35,22 @@ class StageEngine:
         loss = self.engine.train_batch(data_iter=data_iter)
         return float(loss.item()) if torch.is_tensor(loss) else float(loss)
 
+    def eval_loss(self, data_iter: Iterator[tuple[tuple[torch.Tensor, ...], Any]] | None,
+                  num_micro_batches: int) -> float:
+        """Forward only over ``num_micro_batches`` micro-batches (DeepSpeed's pipeline eval schedule, all stages in
+        step), their losses averaged, then averaged over dp replicas; the same value on every stage."""
+        loss = self.engine.eval_batch(data_iter, reduce_output="avg", bcast_loss=True,
+                                      num_micro_batches=num_micro_batches)
+        return float(loss.item()) if torch.is_tensor(loss) else float(loss)
+
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def grad_norm(self) -> float | None:
+        """Global 2-norm of the last step's gradients before clipping, over every stage (same on all ranks);
+        None when DeepSpeed did not compute one (fp32 without gradient clipping)."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def save(self, directory: str, client_state: dict[str, Any]) -> None:
         """Every rank writes its own layer and optimizer files under directory/ds/."""
@@ -48,6 +62,22 @@ class StageEngine:
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint under {os.path.join(directory, DS_TAG)}")
         return client_state or {}
+
+
+def keep_fp32_grad_norm(engine: Any) -> None:
+    """Make ``engine.get_global_grad_norm()`` answer on the fp32 path too.
+
+    DeepSpeed's bf16/fp16/ZeRO optimizers record the global norm they clip with; the plain fp32 path calls
+    ``deepspeed.runtime.utils.clip_grad_norm_`` (all-reduced over the pipeline's stages through the engine's mpu)
+    and drops its return value. This keeps it: the same call, the same collective, nothing computed twice.
+    """
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_fp32_gradients() -> None:
+        engine._global_grad_norm = float(clip_grad_norm_(parameters=engine.module.parameters(),
+                                                         max_norm=engine.gradient_clipping(), mpu=engine.mpu))
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
 
 
 def init_distributed(backend: str) -> None:
@@ -68,5 +98,6 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
         load_hf_into_stage(module, init_from)
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config)
+    keep_fp32_grad_norm(engine)
     return StageEngine(engine=engine, stage=engine.stage_id, dp_rank=engine.grid.data_parallel_id,
                        num_stages=engine.num_stages)

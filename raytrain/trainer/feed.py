@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from raytrain.dataset.pack import PAD_SEGMENT_ID
 from raytrain.pipeline.model import IGNORE_INDEX
 from raytrain.trainer.schedule import epoch_and_offset, micro_batches_per_step, owns_micro_batch
 
@@ -33,30 +34,37 @@ MicroBatch = tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.
 
 @dataclass
 class FeedTrace:
-    """What this worker consumed: global micro-batch index -> digest of its document ids (for audits and tests)."""
+    """What this worker consumed: global micro-batch index -> digest of its document ids (for audits and tests),
+    and per optimizer step the real (non-padding) tokens and the target tokens of the whole global batch."""
 
     consumed: list[tuple[int, str]] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    step_targets: list[int] = field(default_factory=list)
 
 
 def _digest(doc_ids: Iterable[str]) -> str:
     return hashlib.sha1("|".join(str(d) for d in doc_ids).encode()).hexdigest()[:16]
 
 
+def _column(batch: dict[str, np.ndarray], name: str) -> np.ndarray:
+    arr = np.asarray(batch[name])
+    return np.stack(arr) if arr.dtype == object else arr  # Parquet list columns come back as arrays of arrays
+
+
 def count_targets(batch: dict[str, np.ndarray]) -> int:
     """Tokens with a training target (label != -100) in a numpy batch."""
-    labels = np.asarray(batch["labels"])
-    if labels.dtype == object:
-        labels = np.stack(labels)
-    return int(np.count_nonzero(labels != IGNORE_INDEX))
+    return int(np.count_nonzero(_column(batch, "labels") != IGNORE_INDEX))
+
+
+def count_real_tokens(batch: dict[str, np.ndarray]) -> int:
+    """Tokens that are not padding (segment id != PAD_SEGMENT_ID) in a numpy batch."""
+    return int(np.count_nonzero(_column(batch, "segment_ids") != PAD_SEGMENT_ID))
 
 
 def to_micro_batch(batch: dict[str, np.ndarray], loss_scale: float) -> MicroBatch:
     def col(name: str) -> torch.Tensor:
-        arr = np.asarray(batch[name])
-        if arr.dtype == object:  # Parquet list columns come back as arrays of arrays
-            arr = np.stack(arr)
         # copy: Arrow-backed arrays are read-only, and torch tensors must own writable memory
-        return torch.from_numpy(np.array(arr, dtype=np.int64, copy=True))
+        return torch.from_numpy(np.array(_column(batch, name), dtype=np.int64, copy=True))
 
     ids, pos, seg, labels = (col(c) for c in MODEL_COLUMNS)  # each (B, T)
     return (ids, pos, seg), (labels, torch.tensor(loss_scale, dtype=torch.float32))
@@ -83,20 +91,58 @@ def micro_batches(
     if start_position % per_step:
         raise ValueError(f"start_position {start_position} is not a step boundary (multiple of dp * m = {per_step})")
     own: list[tuple[int, dict[str, np.ndarray]]] = []
-    seen = targets = 0
+    seen = targets = tokens = 0
     for global_index, batch in _stream(epoch_batches, start_position, micro_batches_per_epoch):
         targets += count_targets(batch)
+        tokens += count_real_tokens(batch)
         if owns_micro_batch(global_index, dp_rank, dp, grad_accum_steps):
             own.append((global_index, batch))
         seen += 1
         if seen < per_step:
             continue
         loss_scale = per_step / targets if targets else 0.0  # no target in the step: every loss sum is 0 anyway
+        if trace is not None:
+            trace.step_tokens.append(tokens)
+            trace.step_targets.append(targets)
         for own_index, own_batch in own:
             if trace is not None:
                 trace.consumed.append((own_index, _digest(own_batch["doc_ids"])))
             yield to_micro_batch(own_batch, loss_scale)
-        own, seen, targets = [], 0, 0
+        own, seen, targets, tokens = [], 0, 0, 0
+
+
+def validation_micro_batches(batches: Iterable[dict[str, np.ndarray]], *, micro_batch_size: int, dp_rank: int,
+                             dp: int) -> tuple[list[MicroBatch], int]:
+    """This replica's share of the whole validation set for DeepSpeed's ``eval_batch``, and the set's target count.
+
+    ``batches``: the validation packs in their fixed order, ``micro_batch_size`` rows each (the last may be short).
+    Micro-batch k goes to replica k % dp; a short one is filled with padding rows (no targets) so every micro-batch
+    has the training shape. Each carries ``loss_scale = n * dp / targets`` (n = this replica's micro-batches,
+    targets = the whole set's): ``eval_batch`` averages the n losses and then the dp replicas, which leaves the
+    token mean over the whole validation set, whatever n each replica got.
+    """
+    own: list[dict[str, np.ndarray]] = []
+    targets = 0
+    for index, batch in enumerate(batches):
+        targets += count_targets(batch)
+        if index % dp == dp_rank:
+            own.append(_pad_rows(batch, micro_batch_size))
+    loss_scale = len(own) * dp / targets if targets else 0.0
+    return [to_micro_batch(batch, loss_scale) for batch in own], targets
+
+
+def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """Fill a short batch up to ``rows`` with padding rows: pad id 0, position 0, segment -1, no target."""
+    have = len(batch["doc_ids"])
+    if have >= rows:
+        return batch
+    fill = {"input_ids": 0, "position_ids": 0, "segment_ids": PAD_SEGMENT_ID, "labels": IGNORE_INDEX}
+    padded = {name: np.concatenate([_column(batch, name), np.full((rows - have, _column(batch, name).shape[1]),
+                                                                  value, dtype=np.int64)])
+              for name, value in fill.items()}
+    padded["doc_ids"] = np.concatenate([np.asarray(batch["doc_ids"], dtype=object),
+                                        np.array([""] * (rows - have), dtype=object)])
+    return padded
 
 
 def _stream(epoch_batches: Callable[[int], Iterable[dict[str, np.ndarray]]], start_position: int,

@@ -73,7 +73,10 @@ def user_error(error: BaseException) -> RaytrainError | None:
 
 
 def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, num_packs: int,
-          max_failures: int = 0) -> TrainResult:
+          max_failures: int = 0, validation: ray.data.Dataset | None = None, validation_packs: int = 0
+          ) -> TrainResult:
+    """Fit the TorchTrainer on ``packed`` (``num_packs`` sequences); ``validation`` (``validation_packs``
+    sequences) gives the eval loss every train.eval_every steps and at the end."""
     tc = job.train
     ds_config = derive_ds_config(load_ds_config(tc.ds_config), tc, ds_path=tc.ds_config)
     micro_batches_per_epoch = num_packs // tc.micro_batch_size
@@ -82,6 +85,10 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
             f"the packed dataset holds {num_packs} sequences = {micro_batches_per_epoch} micro-batches of "
             f"{tc.micro_batch_size}, fewer than one optimizer step needs ({tc.dp} x {tc.grad_accum_steps}); "
             "use more data, a smaller dataset.seq_len or smaller batches")
+    if validation is not None and -(-validation_packs // tc.micro_batch_size) < tc.dp:
+        log.warning("validation: %d held-out sequences make fewer micro-batches than train.dp=%d replicas; no eval "
+                    "loss (raise dataset.validation_fraction)", validation_packs, tc.dp)
+        validation, validation_packs = None, 0
     if run_root.is_posix:
         run_root.join("reports").mkdirs()  # workers append metrics and data traces here
     loop_config = {
@@ -89,6 +96,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
         "run_uri": run_root.uri,
         "ds_config": ds_config,
         "micro_batches_per_epoch": micro_batches_per_epoch,
+        "validation_packs": validation_packs if validation is not None else 0,
         "local_reports_dir": run_root.join("reports").path if run_root.scheme == "file" else None,
         "versions": software_versions(),
     }
@@ -103,7 +111,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
             name="ray_train", storage_path=run_root.join("ray").ray_storage_path,
             storage_filesystem=run_root.join("ray").ray_storage_filesystem,
             failure_config=FailureConfig(max_failures=max_failures)),
-        datasets={"train": packed},
+        datasets={"train": packed, **({"validation": validation} if validation is not None else {})},
         # Not split by Ray (that would shard by world rank): every reader sees the whole dataset in a fixed order
         # and takes its data-parallel share itself (raytrain.trainer.schedule).
         dataset_config=DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)),

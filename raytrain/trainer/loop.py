@@ -23,8 +23,8 @@ from raytrain.pipeline.flops import flops_per_token, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
-from raytrain.trainer.feed import FeedTrace, micro_batches
-from raytrain.trainer.schedule import Topology, data_position
+from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
+from raytrain.trainer.schedule import Topology, data_position, validation_micro_batches_of
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     run_root = resolve(loop_config["run_uri"], s3_endpoint=job.storage.s3_endpoint or None)
     store = CheckpointStore(run_root, keep_last=tc.keep_last, keep_best=tc.keep_best or None,
                             on_corrupt=tc.on_corrupt_checkpoint)
-    step = _resume(stage, store, topo, tc)
+    step, resumed_metrics = _resume(stage, store, topo, tc)
 
     # ---- data: first and last stages read the packed dataset in a fixed order, sharded by dp rank -------------
     trace = FeedTrace()
@@ -73,14 +73,34 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                   dp_rank=topo.dp_rank, dp=tc.dp, grad_accum_steps=tc.grad_accum_steps,
                                   trace=trace)
 
+    # ---- validation: the whole held-out set, dp replicas sharing its micro-batches --------------------------------
+    validation_packs = loop_config.get("validation_packs", 0)
+
+    def evaluate() -> float:
+        count = validation_micro_batches_of(topo.dp_rank, tc.dp, validation_packs, tc.micro_batch_size)
+        eval_iter = None
+        if topo.needs_data:
+            batches = ray.train.get_dataset_shard("validation").iter_batches(
+                batch_size=tc.micro_batch_size, batch_format="numpy", drop_last=False)
+            own, _targets = validation_micro_batches(batches, micro_batch_size=tc.micro_batch_size,
+                                                     dp_rank=topo.dp_rank, dp=tc.dp)
+            assert len(own) == count, f"validation: read {len(own)} micro-batches, expected {count}"
+            eval_iter = iter(own)
+        return stage.eval_loss(eval_iter, count)
+
     # ---- train -------------------------------------------------------------------------------------------------
     seq_len = job.dataset.seq_len
     tokens_per_step = tc.global_batch_size * seq_len
     flops_tok = flops_per_token(model_cfg, seq_len)
     bubble = pipeline_bubble_fraction(tc.grad_accum_steps, tc.pp)
-    metrics_path = os.path.join(loop_config["local_reports_dir"], "metrics.jsonl") \
-        if loop_config.get("local_reports_dir") else None
+    reports_dir = loop_config.get("local_reports_dir")
+    metrics_path = os.path.join(reports_dir, "metrics.jsonl") if reports_dir else None
+    # rank 0 (a data-reading first stage) writes TensorBoard events: `tensorboard --logdir <run>/reports/tensorboard`
+    board = _tensorboard(os.path.join(reports_dir, "tensorboard"), step) if reports_dir and topo.world_rank == 0 \
+        else None
     end_step = tc.stop_at_step or tc.max_steps
+    tokens_seen = int(resumed_metrics.get("tokens_seen") or 0)
+    launch_t0, launch_step = time.perf_counter(), step
     while step < end_step:
         t0 = time.perf_counter()
         consumed_before = len(trace.consumed)
@@ -88,20 +108,45 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         step_time_s = time.perf_counter() - t0
         step += 1
         tokens_per_s = tokens_per_step / step_time_s
+        # real (non-padding) tokens of the global batch, counted by this rank's feed (ranks without one: None)
+        real_tokens = trace.step_tokens[-1] if trace.step_tokens else None
+        tokens_seen += real_tokens or 0
+        seconds_per_step = (time.perf_counter() - launch_t0) / (step - launch_step)
         metrics = {
-            "step": step, "loss": loss, "lr": stage.lr(), "step_time_s": step_time_s,
-            "tokens_per_s": tokens_per_s, "samples_per_s": tc.global_batch_size / step_time_s,
+            "step": step, "loss": loss, "lr": stage.lr(), "grad_norm": stage.grad_norm(),
+            "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
+            "real_tokens": real_tokens, "real_tokens_per_s": real_tokens / step_time_s if real_tokens else None,
+            "target_tokens": trace.step_targets[-1] if trace.step_targets else None,
+            "tokens_seen": tokens_seen if topo.needs_data else None,
+            "eta_s": seconds_per_step * (end_step - step),
+            "samples_per_s": tc.global_batch_size / step_time_s,
             "pipeline_bubble": bubble, "stage": topo.stage, "dp_rank": topo.dp_rank,
             "mfu": (tokens_per_s * flops_tok / (tc.peak_tflops * 1e12 * tc.num_workers)) if tc.peak_tflops else None,
             "data_position": data_position(step, tc.dp, tc.grad_accum_steps),
         }
+        if validation_packs and (step == end_step or (tc.eval_every and step % tc.eval_every == 0)):
+            t_eval = time.perf_counter()
+            metrics["eval_loss"] = evaluate()
+            metrics["eval_time_s"] = time.perf_counter() - t_eval
         record_train_step(job.storage.run_name, topo.stage, topo.dp_rank, metrics)
         if topo.world_rank == 0:
-            print(f"[raytrain] step {step}/{tc.max_steps} loss {loss:.4f} lr {metrics['lr']:.2e} "
-                  f"{tokens_per_s:,.0f} tok/s {step_time_s:.2f}s", flush=True)
+            grad_norm = f" grad norm {metrics['grad_norm']:.3f}" if metrics["grad_norm"] is not None else ""
+            print(f"[raytrain] step {step}/{tc.max_steps} loss {loss:.4f} lr {metrics['lr']:.2e}{grad_norm} "
+                  f"{metrics['real_tokens_per_s'] or tokens_per_s:,.0f} tok/s {step_time_s:.2f}s "
+                  f"eta {metrics['eta_s']:.0f}s", flush=True)
+            if "eval_loss" in metrics:
+                print(f"[raytrain] step {step}/{tc.max_steps} eval loss {metrics['eval_loss']:.4f} on "
+                      f"{validation_packs} held-out sequences ({metrics['eval_time_s']:.1f}s)", flush=True)
             if metrics_path:
                 with open(metrics_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(metrics) + "\n")
+            if board is not None:
+                for name in TENSORBOARD_SCALARS:
+                    if metrics.get(name) is not None:
+                        board.add_scalar(f"train/{name}", metrics[name], step)
+                if "eval_loss" in metrics:
+                    board.add_scalar("eval/loss", metrics["eval_loss"], step)
+                board.flush()
         if topo.needs_data and loop_config.get("local_reports_dir"):
             with open(os.path.join(loop_config["local_reports_dir"], f"data_trace_rank{topo.world_rank}.jsonl"),
                       "a", encoding="utf-8") as f:
@@ -114,6 +159,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 print(f"[raytrain] checkpoint step {step} -> {run_root.join('checkpoints').uri}", flush=True)
         ray.train.report({k: v for k, v in metrics.items() if v is not None})
 
+    if board is not None:
+        board.close()
     if loop_config.get("local_reports_dir"):
         # Parameter digests per rank: data-parallel replicas of one stage must hold identical weights.
         digests = {name: hashlib.sha256(p.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
@@ -123,8 +170,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             json.dump({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank, "digests": digests}, f)
 
 
-def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> int:
-    """Load the newest good checkpoint into this stage; returns its step (0 when starting fresh).
+TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "real_tokens_per_s", "tokens_seen", "step_time_s", "mfu")
+"""Step metrics written as TensorBoard scalars ``train/<name>``."""
+
+
+def _tensorboard(logdir: str, step: int) -> Any:
+    """A tensorboardX writer; a resumed run purges events after its checkpoint's step, so curves do not fold back."""
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(logdir=logdir, purge_step=step + 1 if step else None)
+
+
+def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tuple[int, dict[str, Any]]:
+    """Load the newest good checkpoint into this stage; returns its step (0 when starting fresh) and the step
+    metrics its manifest recorded ({} when starting fresh).
 
     Rank 0 alone cleans partial saves and verifies sizes + sha256 against the manifest (falling back to an older
     checkpoint when configured), then tells every rank which step to load, so all stages load the same one.
@@ -138,7 +197,7 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> int:
         chosen[0] = store.verify(latest).step if latest is not None else None
     dist.broadcast_object_list(chosen, src=0)
     if chosen[0] is None:
-        return 0
+        return 0, {}
     ckpt = store.get(chosen[0])
     if ckpt is None:
         raise RuntimeError(f"checkpoint step {chosen[0]} vanished between verify and load")
@@ -151,7 +210,7 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> int:
     store.protect(step)  # retention never deletes the checkpoint a run resumed from
     if topo.world_rank == 0:
         print(f"[raytrain] resumed from checkpoint step {step} ({ckpt.uri})", flush=True)
-    return step
+    return step, dict(ckpt.manifest.get("metadata", {}).get("metrics") or {})
 
 
 def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConfig,

@@ -55,6 +55,13 @@ def owns_micro_batch(global_index: int, dp_rank: int, dp: int, grad_accum_steps:
     return (global_index // grad_accum_steps) % dp == dp_rank
 
 
+def validation_micro_batches_of(dp_rank: int, dp: int, num_packs: int, micro_batch_size: int) -> int:
+    """Validation micro-batches replica `dp_rank` evaluates: micro-batch k of the whole set (the last one may be
+    short) goes to replica k % dp. Every stage can compute it, including the middle ones that read no data."""
+    total = -(-num_packs // micro_batch_size)
+    return len(range(dp_rank, total, dp))
+
+
 def data_position(step: int, dp: int, grad_accum_steps: int) -> int:
     """Global micro-batches consumed after `step` optimizer steps (what a checkpoint records)."""
     return step * micro_batches_per_step(dp, grad_accum_steps)

@@ -1,6 +1,7 @@
 """The thin slice end to end on CPU: sample Parquet -> Spark on Ray -> Ray Data tokenize/pack -> TorchTrainer with
 2 workers, each one DeepSpeed pipeline stage of a tiny Mistral -> checkpoint -> resume."""
 
+import hashlib
 import json
 import math
 import os
@@ -49,6 +50,43 @@ def test_enrich_and_pack_outputs(first_run):
     packed = pq.read_table(run.root.join("data", "packed").path)
     assert packed.num_rows > 0
     assert {len(x) for x in packed.column("input_ids").to_pylist()} == {job.dataset.seq_len}
+
+
+def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run):
+    from raytrain.dataset.stream import validation_mask
+
+    _, job, _ = first_run
+    run = open_run(job)
+    packed_dir = run.root.join("data", "packed").path
+    with open(os.path.join(packed_dir, "_manifest.json")) as f:
+        manifest = json.load(f)
+    held_out = manifest["validation"]
+
+    def uuids(folder, files):
+        return {u for name in files for ids in pq.read_table(os.path.join(folder, name), columns=["doc_ids"])
+                .column("doc_ids").to_pylist() for u in ids.split(",")}
+
+    enriched = pq.read_table(run.root.join("data", "enriched").path, columns=["uuid"]).column("uuid").to_pylist()
+    expected = {u for u, held in zip(enriched, validation_mask(enriched, held_out["fraction"]), strict=True) if held}
+    train_uuids = uuids(packed_dir, manifest["files"])
+    validation_uuids = uuids(os.path.join(packed_dir, "validation"), held_out["files"])
+    assert validation_uuids == expected and held_out["rows"] == len(expected) > 0
+    assert train_uuids | validation_uuids == set(enriched) and not train_uuids & validation_uuids
+
+    # what the trainer consumed (its data trace) are training micro-batches only
+    packs = [ids for name in manifest["files"]
+             for ids in pq.read_table(os.path.join(packed_dir, name), columns=["doc_ids"]).column("doc_ids")
+             .to_pylist()]
+    mbs = job.train.micro_batch_size
+    train_digests = {hashlib.sha1("|".join(packs[i:i + mbs]).encode()).hexdigest()[:16]
+                     for i in range(0, len(packs) - mbs + 1, mbs)}
+    with open(run.root.join("reports", "data_trace_rank0.jsonl").path) as f:
+        consumed = [digest for row in map(json.loads, f) for _, digest in row["consumed"]]
+    assert consumed and set(consumed) <= train_digests
+
+    # eval loss every train.eval_every steps and at the last step of the launch (stop_at_step=6)
+    evaluated = {m["step"]: m["eval_loss"] for m in _metrics(run) if "eval_loss" in m}
+    assert sorted(evaluated) == [5, 6] and all(math.isfinite(v) for v in evaluated.values())
 
 
 def test_loss_is_finite_and_decreases(first_run):
@@ -108,6 +146,34 @@ def test_resume_continues_and_matches_uninterrupted(first_run, tmp_path_factory)
     straight = _metrics(open_run(fresh))
     # bit-exact on CPU with fixed seeds: same losses step by step, and the same final weights
     assert [m["loss"] for m in straight] == [m["loss"] for m in metrics]
+    # eval losses too: the same validation set and weights at steps 5 and 8 (the first launch also evaluated at 6)
+    resumed_eval = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
+    straight_eval = {m["step"]: m["eval_loss"] for m in straight if "eval_loss" in m}
+    assert sorted(resumed_eval) == [5, 6, 8] and sorted(straight_eval) == [5, 8]
+    assert resumed_eval[5] == straight_eval[5] and resumed_eval[8] == straight_eval[8]
+    # tokens seen carries over the resume; real (non-padding) tokens never exceed the global batch's slots
+    assert [m["tokens_seen"] for m in straight] == [m["tokens_seen"] for m in metrics]
+    slots = job.train.global_batch_size * job.dataset.seq_len
+    assert all(0 < m["real_tokens"] <= slots and m["target_tokens"] < m["real_tokens"] for m in metrics)
+    assert metrics[-1]["tokens_seen"] == sum(m["real_tokens"] for m in metrics)
+    assert all(m["grad_norm"] > 0 for m in metrics) and metrics[-1]["eta_s"] == 0
+
+    # TensorBoard, read by tensorboard's own reader: the two launches' event files give one curve per tag, steps
+    # 1..8 once each (the resumed launch purged what came after its checkpoint), values as in metrics.jsonl
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(open_run(resumed_job).root.join("reports", "tensorboard").path)
+    board.Reload()
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/real_tokens_per_s", "train/tokens_seen",
+            "eval/loss"} <= set(board.Tags()["scalars"])
+    evaluated = [m for m in metrics if "eval_loss" in m]
+    assert [e.step for e in board.Scalars("eval/loss")] == [m["step"] for m in evaluated]
+    assert [e.value for e in board.Scalars("eval/loss")] == pytest.approx([m["eval_loss"] for m in evaluated],
+                                                                          rel=1e-6)
+    for tag, key in (("train/loss", "loss"), ("train/grad_norm", "grad_norm"), ("train/tokens_seen", "tokens_seen")):
+        events = board.Scalars(tag)
+        assert [e.step for e in events] == [m["step"] for m in metrics], tag
+        assert [e.value for e in events] == pytest.approx([m[key] for m in metrics], rel=1e-6), tag
     a = CheckpointStore(open_run(resumed_job).root).latest()
     b = CheckpointStore(open_run(fresh).root).latest()
     assert a.step == b.step == 8

@@ -76,7 +76,8 @@ def make_job(root, run_name: str, *overrides: str):
     # topology's math on packs, not the length policy (tests/unit/dataset/test_length_policy.py does)
     return load_job_config(CONFIG, [f"storage.root={root}", f"storage.run_name={run_name}", "storage.user=ci",
                                     f"train.max_steps={STEPS}", f"train.checkpoint_every={STEPS}",
-                                    "train.warmup_steps=1", "dataset.length_policy=split", *overrides])
+                                    "train.warmup_steps=1", "dataset.length_policy=split",
+                                    "dataset.validation_fraction=0.1", *overrides])
 
 
 def copy_packed(src_job, dst_job) -> None:
@@ -133,6 +134,8 @@ def pp2_dp2(ray_cluster, tmp_path_factory):
     packed = write_packed(job, num_conversations=90)
     # one epoch must hold every step's micro-batches, so "cover every global index" means distinct packs
     assert packed.num_packs // job.train.micro_batch_size >= STEPS * job.train.dp * job.train.grad_accum_steps
+    # enough held-out packs for both replicas to evaluate (one replica gets the short last micro-batch)
+    assert packed.validation is not None and packed.validation.num_packs > job.train.dp * job.train.micro_batch_size
     summary = run_train(job)
     return job, summary, read_reports(job)
 
@@ -226,33 +229,76 @@ def test_pipeline_split_does_not_change_the_math(pp2_dp2, pp1_dp2):
     assert losses_pp2 == pytest.approx(losses_pp1, rel=1e-5)
 
 
+def _token_losses(model, packed_dir: str, files: list[str], micro_batch_size: int, rows: int | None = None
+                  ) -> tuple[float, int, int]:
+    """`model` over the first `rows` packs (all: None) read by pyarrow, in micro-batches: summed token
+    cross-entropy, target tokens, real (non-padding: segment id != -1) tokens."""
+    import numpy as np
+    import torch
+
+    from raytrain.pipeline.model import IGNORE_INDEX
+
+    columns = ["input_ids", "position_ids", "segment_ids", "labels"]
+    table = pa.concat_tables([pq.read_table(os.path.join(packed_dir, name), columns=columns) for name in files])
+    rows = table.num_rows if rows is None else rows
+    tensors = [torch.from_numpy(np.array(table.column(c).to_pylist()[:rows], dtype=np.int64)) for c in columns]
+    loss_sum, targets = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, rows, micro_batch_size):
+            ids, pos, seg, labels = (t[start:start + micro_batch_size] for t in tensors)
+            logits = model((ids, pos, seg))
+            loss_sum += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                reduction="sum"))
+            targets += int((labels != IGNORE_INDEX).sum())
+    return loss_sum, targets, int((tensors[2] != -1).sum())
+
+
 def test_first_step_loss_is_the_token_mean_over_the_global_batch(pp2_dp2):
     """pp=2 x dp=2: the step-1 loss equals a single-process forward of the seeded initial model over the step's
     dp * m micro-batches (read from the packed files by pyarrow), summed over every target token and divided by
     their count: token-weighted across micro-batches and replicas (raytrain.trainer.feed's loss_scale)."""
-    import numpy as np
-    import torch
-
-    from raytrain.pipeline.model import IGNORE_INDEX, build_sequential
+    from raytrain.pipeline.model import build_sequential
 
     job, _summary, reports = pp2_dp2
     tc = job.train
     packed = open_run(job).root.join("data", "packed").path
     with open(os.path.join(packed, "_manifest.json")) as f:
         files = json.load(f)["files"]
-    columns = ["input_ids", "position_ids", "segment_ids", "labels"]
-    table = pa.concat_tables([pq.read_table(os.path.join(packed, name), columns=columns) for name in files])
-    rows = tc.dp * tc.grad_accum_steps * tc.micro_batch_size  # the global batch of step 1, in order
-    tensors = [torch.from_numpy(np.array(table.column(c).to_pylist()[:rows], dtype=np.int64)) for c in columns]
     model = build_sequential(MistralConfig.preset(job.model.preset), seed=tc.seed).eval()
-    loss_sum, targets = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, rows, tc.micro_batch_size):
-            ids, pos, seg, labels = (t[start:start + tc.micro_batch_size] for t in tensors)
-            logits = model((ids, pos, seg))
-            loss_sum += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                reduction="sum"))
-            targets += int((labels != IGNORE_INDEX).sum())
+    rows = tc.dp * tc.grad_accum_steps * tc.micro_batch_size  # the global batch of step 1, in order
+    loss_sum, targets, real_tokens = _token_losses(model, packed, files, tc.micro_batch_size, rows)
     assert reports["metrics"][0]["step"] == 1
     assert reports["metrics"][0]["loss"] == pytest.approx(loss_sum / targets, rel=1e-5)
+    # the step's counts, as the trainer reports them, are the global batch's (all replicas), not one replica's
+    assert reports["metrics"][0]["target_tokens"] == targets
+    assert reports["metrics"][0]["real_tokens"] == real_tokens
+
+
+@pytest.mark.parametrize("topology", ["pp2_dp2", "pp1_dp2"])
+def test_eval_loss_is_the_token_mean_over_the_validation_set(topology, request):
+    """At the last step: the eval loss equals a single-process forward of the step-4 checkpoint's weights
+    (DeepSpeed's layer files, torch.load) over every held-out pack (pyarrow), per target token; dp replicas share
+    the set (one of them gets the short last micro-batch)."""
+    import torch
+
+    from raytrain.checkpoint.store import CheckpointStore
+    from raytrain.pipeline.engine import DS_TAG
+    from raytrain.pipeline.model import build_sequential
+
+    job, _summary, reports = request.getfixturevalue(topology)
+    latest = CheckpointStore(open_run(job).root).latest()
+    assert latest.step == STEPS
+    model = build_sequential(MistralConfig.preset(job.model.preset), seed=job.train.seed + 1)
+    for index, layer in enumerate(model):
+        layer.load_state_dict(torch.load(os.path.join(latest.local_path, DS_TAG, f"layer_{index:02d}-model_states.pt"),
+                                         map_location="cpu", weights_only=True))
+    packed_dir = open_run(job).root.join("data", "packed").path
+    with open(os.path.join(packed_dir, "_manifest.json")) as f:
+        held_out = json.load(f)["validation"]
+    loss_sum, targets, _ = _token_losses(model.eval(), os.path.join(packed_dir, "validation"), held_out["files"],
+                                         job.train.micro_batch_size)
+    reference = loss_sum / targets
+    evaluated = [m for m in reports["metrics"] if "eval_loss" in m]
+    assert [m["step"] for m in evaluated] == [STEPS]  # train.eval_every=0: only at the end
+    assert evaluated[0]["eval_loss"] == pytest.approx(reference, rel=1e-5)

@@ -183,6 +183,26 @@ def test_train_batch_loss_gradients_and_update_match_torch_adamw(trained):
             assert (delta_ours - delta_ref).norm() <= 1e-3 * delta_ref.norm(), name
 
 
+def test_grad_norm_is_the_global_norm_before_clipping(gloo_group, hf_dir, trained):
+    """fp32 with gradient clipping: the engine reports the norm of the unclipped gradients (transformers' on the
+    same batch), and the optimizer sees them scaled down to the clip value."""
+    from raytrain.pipeline.engine import keep_fp32_grad_norm
+
+    module = build_pipeline_module(CFG, num_stages=1)
+    load_hf_into_stage(module, hf_dir)
+    engine, _, _, _ = deepspeed.initialize(model=module, config={**ds_config(), "gradient_clipping": 1.0},
+                                           model_parameters=module.parameters())
+    keep_fp32_grad_norm(engine)
+    clipped = capture_gradients(engine, module)
+    engine.train_batch(data_iter=iter([b for b, _ in micro_batches(GRAD_ACCUM)]))
+    reference_norm = float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g) for g in trained["ref_grads"].values()])))
+    assert reference_norm > 1.0, "the batch must need clipping for the test to see it"
+    assert engine.get_global_grad_norm() == pytest.approx(reference_norm, rel=1e-4)
+    clipped_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in clipped.values()])))
+    assert clipped_norm == pytest.approx(1.0, rel=1e-4)
+
+
 def test_export_round_trip_loads_in_transformers_and_generates(trained, tmp_path):
     out = export_to_hf(trained["ckpt_tag_dir"], CFG, tmp_path / "export")
     exported = transformers.MistralForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
@@ -274,6 +294,42 @@ def test_loss_is_token_weighted_over_the_global_batch(gloo_group, hf_dir):
     assert abs(loss - mean_of_means) > 1e-3, "the micro-batches must be uneven enough to tell the two apart"
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-8, msg=name)
+
+
+def test_eval_loss_is_the_token_mean_over_the_whole_validation_set(gloo_group, hf_dir):
+    """Three validation micro-batches of uneven targets, the last one short (padded by the feed), through DeepSpeed's
+    pipeline eval schedule: the loss equals transformers' summed token loss over the set / its target count, and
+    evaluating changes no weight."""
+    from raytrain.pipeline.engine import StageEngine
+    from raytrain.trainer.feed import validation_micro_batches
+
+    generator = torch.Generator().manual_seed(33)
+    numpy_batches, hf_batches = [], []
+    for rows, keep in ((MICRO_BATCH_SIZE, 3), (MICRO_BATCH_SIZE, SEQ_LEN), (1, 9)):
+        input_ids = torch.randint(0, CFG.vocab_size, (rows, SEQ_LEN), generator=generator)
+        hf_labels = input_ids.clone()
+        hf_labels[:, keep:] = -100
+        shifted = torch.cat([hf_labels[:, 1:], torch.full_like(hf_labels[:, :1], -100)], dim=1)
+        numpy_batches.append({"input_ids": input_ids.numpy(),
+                              "position_ids": torch.arange(SEQ_LEN).expand(rows, SEQ_LEN).numpy(),
+                              "segment_ids": torch.zeros_like(input_ids).numpy(), "labels": shifted.numpy(),
+                              "doc_ids": [f"v{len(numpy_batches)}-{r}" for r in range(rows)]})
+        hf_batches.append((input_ids, hf_labels))
+    own, num_targets = validation_micro_batches(iter(numpy_batches), micro_batch_size=MICRO_BATCH_SIZE, dp_rank=0,
+                                                dp=1)
+
+    module = build_pipeline_module(CFG, num_stages=1)
+    load_hf_into_stage(module, hf_dir)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(), model_parameters=module.parameters())
+    before = stage_state(module)
+    loss = StageEngine(engine=engine, stage=0, dp_rank=0, num_stages=1).eval_loss(iter(own), len(own))
+
+    reference = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref_loss = sum(float(reference(input_ids=ids, labels=labels, num_items_in_batch=num_targets).loss)
+                       for ids, labels in hf_batches)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert all(torch.equal(before[name], tensor) for name, tensor in stage_state(module).items())
 
 
 def packed_micro_batches(num: int, seed: int = 7):
