@@ -89,6 +89,9 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
         log.warning("validation: %d held-out sequences make fewer micro-batches than train.dp=%d replicas; no eval "
                     "loss (raise dataset.validation_fraction)", validation_packs, tc.dp)
         validation, validation_packs = None, 0
+    if validation is None and tc.eval_every:
+        log.warning("train.eval_every=%d but the run has no validation set: no eval loss (set "
+                    "dataset.validation_fraction > 0)", tc.eval_every)
     if run_root.is_posix:
         run_root.join("reports").mkdirs()  # workers append metrics and data traces here
     loop_config = {

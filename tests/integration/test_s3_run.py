@@ -109,7 +109,13 @@ def test_packed_data_lives_on_s3(s3_run, s3):
     manifest = json.loads(s3.get_object(Bucket=BUCKET, Key="raytrain/ci/demo/s3run/data/packed/_manifest.json")
                           ["Body"].read())
     assert manifest["num_packs"] == s3_run["packed"].num_packs > 0
-    assert sorted(k.rsplit("/", 1)[-1] for k in keys if k.endswith(".parquet")) == sorted(manifest["files"])
+    prefix = "raytrain/ci/demo/s3run/data/packed/"
+    parquet = [k.removeprefix(prefix) for k in keys if k.endswith(".parquet")]
+    assert sorted(k for k in parquet if "/" not in k) == sorted(manifest["files"])
+    # the demo's held-out rows, packed next to the training ones (listing the prefix is recursive on S3)
+    held_out = manifest["validation"]
+    assert held_out["rows"] > 0 and held_out["num_packs"] == s3_run["packed"].validation.num_packs
+    assert sorted(k for k in parquet if "/" in k) == sorted(f"validation/{name}" for name in held_out["files"])
 
 
 def test_first_launch_commits_checkpoints_to_s3(s3_run, s3):
