@@ -64,6 +64,7 @@ def validation_fraction(cfg: DatasetConfig, num_rows: int) -> float:
         return 0.0
     return min(cfg.validation_fraction, cfg.validation_max_rows / num_rows)
 
+
 def _parquet_files(loc: StorageLocation) -> list[str]:
     return sorted(loc.join(n).path for n in loc.listdir() if n.endswith(".parquet"))
 
