@@ -11,13 +11,13 @@ through raytrain's own `build_stage_engine`, `micro_batches` feed and `Topology`
 1. pp=1, 1 worker x 1 thread          baseline for the pipeline speed-up (one core)
 2. pp=2, 2 workers x 1 thread, fed from memory     tokens/s against 1.: ideal 2 * m / (m + p - 1) (target >= 0.9)
 3. pp=2, 2 workers x 1 thread, fed by Ray Data      tokens/s against 2. (target >= 0.97), the production read path:
-   packed Parquet -> raytrain.dataset.stream.training_dataset -> get_dataset_shard -> iter_batches, unsplit
+   packed Parquet -> raytrain.dataset.stream.stream_micro_batches (Ray Data tasks read the replica's packs)
 (--same-cores) pp=1, 1 worker x 2 threads: the two cores pp=2 uses, spent on intra-op parallelism instead
 (--busy-baseline) two pp=1 runs side by side, one core each: pp=1 with the machine as busy as pp=2 makes it, so
    pp=2 against it separates the cost of the schedule and its sends from the cost of filling both cores
 
 --interleaved measures the same contenders differently: all of them are up at once as plain Ray actors (each rank in
-its own gloo group, the Ray Data one executing the same `training_dataset`), and the driver steps them in turn, one
+its own gloo group, the Ray Data one streaming through the same `stream_micro_batches`), and the driver steps them in turn, one
 optimizer step each, order alternating. Ratios come from adjacent steps, so the machine's drift between launches (on
 this 2-vCPU VM pp=1's step time moved from 1.0 to 1.5 s within an hour) does not enter them; idle actors use no CPU.
 
@@ -90,10 +90,11 @@ def write_random_packs(folder: str, num_packs: int, seq_len: int, vocab_size: in
         "segment_ids": list(np.zeros((num_packs, seq_len), dtype=np.int64)), "labels": list(labels),
         "doc_ids": [f"bench-{i:05d}" for i in range(num_packs)],
         "num_tokens": np.full(num_packs, seq_len, dtype=np.int64),
+        "num_targets": np.full(num_packs, seq_len - 1, dtype=np.int64),
     })
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "part-00000.parquet")
-    pq.write_table(table, path, row_group_size=32)
+    pq.write_table(table, path, row_group_size=1)  # one pack per row group, as raytrain.dataset.stream writes
     return [path]
 
 
@@ -197,26 +198,23 @@ class StageRunner:
         mbs, m = config["micro_batch_size"], config["grad_accum_steps"]
         self.data_iter = None
         if topo.needs_data:
-            if config["feed"] == "ray_data":
-                import ray.train
+            from raytrain.dataset.packs import PackReader
 
-                # in a TorchTrainer: the worker's shard of "train"; in an interleaved actor: the Dataset itself,
-                # which each rank executes in full, as the unsplit shard does
-                shard = config.get("dataset") or ray.train.get_dataset_shard("train")
+            folder = os.path.dirname(config["files"][0])
+            names = tuple(os.path.basename(f) for f in config["files"])
+            reader = PackReader(folder, names)
+            counts = reader.counts()
+            if config["feed"] == "ray_data":  # the production read path: Ray Data tasks read this replica's packs
+                from raytrain.dataset.stream import stream_micro_batches
 
-                def epoch_batches(epoch: int):
-                    return shard.iter_batches(batch_size=mbs, batch_format="numpy", drop_last=True)
-            else:  # the same Parquet, read into memory before the clock starts
-                table = pq.read_table(config["files"])
-                cols = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
-                cached = [{k: v[i:i + mbs] for k, v in cols.items()}
-                          for i in range(0, table.num_rows - mbs + 1, mbs)]
+                def read(own):
+                    return stream_micro_batches(folder, names, None, own, mbs)
+            else:  # the same packs, read into memory before the clock starts
+                from raytrain.trainer.feed import in_memory_packs
 
-                def epoch_batches(epoch: int):
-                    return cached
-            self.data_iter = TimedIterator(micro_batches(
-                epoch_batches, start_position=0, micro_batches_per_epoch=config["micro_batches_per_epoch"],
-                dp_rank=0, dp=1, grad_accum_steps=m))
+                counts, read = in_memory_packs(reader.read(range(counts.num_packs)))
+            self.data_iter = TimedIterator(micro_batches(counts, read, micro_batch_size=mbs, start_position=0,
+                                                         dp_rank=0, dp=1, grad_accum_steps=m))
 
     def step(self) -> tuple[float, float, float]:
         """One optimizer step: (seconds, loss, seconds waited in next() of the feed)."""
@@ -283,17 +281,8 @@ def worker_config(pp: int, threads: int, feed: str, args, files: list[str], num_
     ds_config = derive_ds_config(load_ds_config(os.path.join(root, "configs", "ds_config.json")), tc)
     return {"pp": pp, "threads": threads, "feed": feed, "model": BENCH_MODEL, "ds_config": ds_config,
             "micro_batch_size": args.micro_batch_size, "grad_accum_steps": args.grad_accum,
-            "micro_batches_per_epoch": num_packs // args.micro_batch_size, "warmup": args.warmup,
+            "warmup": args.warmup,
             "steps": args.steps, "files": files, "result_path": result_path}
-
-
-def packed_dataset(files: list[str], num_packs: int, seq_len: int):
-    """The production read path (raytrain.dataset.stream.training_dataset) over the benchmark's packed Parquet."""
-    from raytrain.dataset.stream import PackedData, training_dataset
-    from raytrain.storage import resolve
-
-    return training_dataset(PackedData(resolve(os.path.dirname(files[0])), tuple(files), num_packs,
-                                       num_packs * seq_len))
 
 
 def _free_port() -> int:
@@ -312,8 +301,7 @@ def run_interleaved(args, files: list[str], num_packs: int) -> None:
 
     actor = ray.remote(num_cpus=1)(InterleavedStage)
     one, two = (worker_config(pp, 1, "memory", args, files, num_packs) for pp in (1, 2))
-    streamed = {**worker_config(2, 1, "ray_data", args, files, num_packs),
-                "dataset": packed_dataset(files, num_packs, args.seq_len)}
+    streamed = worker_config(2, 1, "ray_data", args, files, num_packs)
     port_memory, port_streamed = _free_port(), _free_port()
     groups = {
         "pp1-1thread": [actor.remote(one, 0, _free_port())],
@@ -364,15 +352,11 @@ def run_interleaved(args, files: list[str], num_packs: int) -> None:
 def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: str, args, files: list[str],
                   num_packs: int, workdir: str) -> dict:
     """One TorchTrainer launch; returns its step times (warmup dropped), losses and the load average around it."""
-    from ray.data import ExecutionOptions
-    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     result_path = os.path.join(workdir, f"{name}-round{round_index}.json")
     config = worker_config(pp, threads, feed, args, files, num_packs, result_path)
-    datasets = {}
-    if feed == "ray_data":  # the production read (raytrain.dataset.stream): packed Parquet, lazily read, fixed order
-        datasets["train"] = packed_dataset(files, num_packs, args.seq_len)
     waited_s, busy = wait_for_quiet(args.quiet_busy, args.quiet_timeout)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -392,8 +376,6 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
         bench_worker_loop, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=pp, use_gpu=False, resources_per_worker={"CPU": threads}),
         run_config=RunConfig(name=f"{name}-round{round_index}", storage_path=os.path.join(workdir, "ray")),
-        datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)),
     ).fit()
     wall_s = time.perf_counter() - t0
     with open(result_path, encoding="utf-8") as f:

@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = (run_sft if args.command == "run" else run_train)(job, max_failures=args.max_failures)
             final = summary["final"]
-            held_out = f", eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else ""
+            held_out = "".join(f", {label} {final[key]:.4f}" for key, label in (("eval_loss", "eval loss"),
+                                                                                ("benchmark_loss", "benchmark loss"))
+                               if key in final)
             print(f"\nraytrain: trained to step {final.get('step')} (loss {final.get('loss', float('nan')):.4f}"
                   f"{held_out}) in {time.perf_counter() - t0:.0f}s")
             print(f"raytrain: checkpoints in {summary['checkpoints']}")

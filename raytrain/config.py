@@ -171,6 +171,11 @@ class DatasetConfig:
     on every rerun and resume, never trained on. 0 = no validation set."""
     validation_max_rows: int = 2000
     """Cap on the held-out rows: the fraction is lowered to about this many rows of a large dataset."""
+    split_weights: tuple[str, ...] = ()
+    """Mixture: 'split=weight' entries (e.g. math=2, chat=0.5) to train a split's rows more or less often than they
+    occur. A training row of a split with weight w is used floor(w) times, plus once more when a hash of its uuid
+    falls below w - floor(w): the same rows on every rerun. Unlisted splits keep weight 1; validation rows are never
+    weighted. Counts per split before and after go to the packed manifest."""
 
     def __post_init__(self) -> None:
         _require(self.tokenizer in ("v1", "v3"), "dataset.tokenizer", f"{self.tokenizer!r}: choose 'v1' or 'v3'")
@@ -180,8 +185,28 @@ class DatasetConfig:
         _require(self.seq_len >= 8, "dataset.seq_len", "must be >= 8")
         _require(0.0 <= self.validation_fraction < 1.0, "dataset.validation_fraction", "must be in [0, 1)")
         _require(self.validation_max_rows >= 0, "dataset.validation_max_rows", "must be >= 0")
+        self.weights()  # refuses a malformed entry now, naming it
         _require(self.length_policy in LENGTH_POLICIES, "dataset.length_policy",
                  f"{self.length_policy!r}: choose " + " or ".join(repr(p) for p in LENGTH_POLICIES))
+
+
+    def weights(self) -> dict[str, float]:
+        """``split_weights`` as {split: weight}."""
+        out: dict[str, float] = {}
+        for entry in self.split_weights:
+            split, _, raw = entry.partition("=")
+            split = split.strip()
+            try:
+                weight = float(raw)
+            except ValueError:
+                weight = -1.0
+            _require(split in SPLITS and weight >= 0 and split not in out, "dataset.split_weights",
+                     f"{entry!r}: write split=weight once per split, split one of {list(SPLITS)}, weight >= 0 "
+                     "(e.g. math=2)")
+            out[split] = weight
+        _require(not out or any(out.get(s, 1.0) > 0 for s in SPLITS), "dataset.split_weights",
+                 "every split has weight 0: nothing would train")
+        return out
 
 
 @dataclass(frozen=True)
@@ -230,6 +255,23 @@ class TrainConfig:
     """Gradient norm clipping (0 disables)."""
     seed: int = 0
     """Seed for model init and data order."""
+    shuffle: bool = True
+    """Train each epoch's packs in a new order drawn from (seed, epoch): the same on every stage and replica,
+    recomputed exactly on resume. False = the order the packs were written in, every epoch."""
+    sample_new_tokens: int = 32
+    """At every checkpoint, greedy continuations (up to this many tokens) of the first micro_batch_size validation
+    prompts, written with their reference answers to the run's reports/samples.jsonl (0 = none; needs a
+    validation set)."""
+    tracking: tuple[str, ...] = ()
+    """Experiment trackers besides TensorBoard (always on): "mlflow", "wandb", through Ray's integrations; rank 0
+    logs the config once and every step's metrics (raytrain.trainer.tracking)."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI (a server, http://host:5000); empty = a file store under the run's reports/mlruns."""
+    wandb_project: str = "raytrain"
+    """W&B project of the run (the run is named after storage.run_name, grouped by storage.project)."""
+    wandb_mode: str = "offline"
+    """"offline" writes the W&B run under the run's reports/wandb (upload later with `wandb sync`); "online" needs
+    WANDB_API_KEY and network."""
     eval_every: int = 0
     """Validation loss every this many steps (0 = only at the end), and always at the last step; needs
     dataset.validation_fraction > 0."""
@@ -264,6 +306,11 @@ class TrainConfig:
         for name in ("pp", "dp", "micro_batch_size", "grad_accum_steps", "max_steps", "checkpoint_every", "keep_last"):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the last step)")
+        _require(self.sample_new_tokens >= 0, "train.sample_new_tokens", "must be >= 0 (0 = no samples)")
+        for tracker in self.tracking:
+            _require(tracker in ("mlflow", "wandb"), "train.tracking", f"{tracker!r}: choose 'mlflow' and/or 'wandb'")
+        _require(self.wandb_mode in ("offline", "online"), "train.wandb_mode", f"{self.wandb_mode!r}: choose "
+                 "'offline' or 'online'")
         _require(0 <= self.stop_at_step <= self.max_steps, "train.stop_at_step",
                  "must be in [0, train.max_steps] (0 = run to max_steps)")
         _require(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -328,6 +375,20 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def flat_dict(self) -> dict[str, Any]:
+        """The resolved config as {dotted key: value} (tuples as lists)."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, node: Any) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = list(node) if isinstance(node, tuple) else node
+
+        walk("", self.to_dict())
+        return out
 
     def config_hash(self) -> str:
         """Stable short hash of the resolved config (recorded in manifests and checkpoints)."""

@@ -120,16 +120,19 @@ def write_report(run: Run, name: str, report: dict[str, Any]) -> StorageLocation
 def run_enrich_and_pack(run: Run):
     """Enrich + tokenize/pack unless this run already holds packed sequences for the same settings."""
     from raytrain.dataset.stream import load_packed, tokenize_and_pack
-    from raytrain.enrich.job import run_enrich
+    from raytrain.enrich.job import load_eval_texts, run_enrich
 
     packed_loc = run.root.join("data", "packed")
     packed = load_packed(packed_loc, run.data_hash)
     if packed is not None:
         return packed
     input_root = stage_input(run)
-    result = run_enrich(run.job, input_root, run.root, eval_sets=eval_set_paths(run, input_root))
+    eval_sets = eval_set_paths(run, input_root)
+    result = run_enrich(run.job, input_root, run.root, eval_sets=eval_sets)
     write_report(run, "enrich_report.json", result.report)
-    return tokenize_and_pack(result.enriched, packed_loc, run.job.dataset, run.data_hash)
+    # the eval sets' question/answer items also give the benchmark loss (raytrain.dataset.stream)
+    records = load_eval_texts(eval_sets, input_root, run.job.storage.s3_endpoint or None).records
+    return tokenize_and_pack(result.enriched, packed_loc, run.job.dataset, run.data_hash, eval_records=records)
 
 
 def _with_run(job: JobConfig, body):
@@ -152,15 +155,13 @@ def _with_run(job: JobConfig, body):
 
 
 def _train(run: Run, packed, max_failures: int) -> dict[str, Any]:
-    from raytrain.dataset.stream import training_dataset
     from raytrain.trainer.launch import train
 
     held_out = packed.validation
-    result = train(run.job, run.root, training_dataset(packed), packed.num_packs, max_failures=max_failures,
-                   validation=training_dataset(held_out) if held_out else None,
-                   validation_packs=held_out.num_packs if held_out else 0)
+    result = train(run.job, run.root, packed, max_failures=max_failures)
     summary = {"run": run.root.uri, "checkpoints": result.checkpoint_dir, "final": result.final_metrics,
                "num_packs": packed.num_packs, "validation_packs": held_out.num_packs if held_out else 0,
+               "benchmark_packs": packed.benchmark.num_packs if packed.benchmark else 0,
                "config_hash": run.job.config_hash()}
     write_report(run, "run_summary.json", summary)
     return summary

@@ -157,7 +157,8 @@ def tokenize_and_pack_batch(
     Out: ``input_ids``, ``labels``, ``position_ids``, ``segment_ids``: (num_packs, seq_len) int64;
          ``doc_ids``: (num_packs,) object array of comma-joined uuids (one per segment, in segment order;
          uuids must not contain commas);
-         ``num_tokens``: (num_packs,) int64 count of real (non-padding) tokens.
+         ``num_tokens``: (num_packs,) int64 count of real (non-padding) tokens;
+         ``num_targets``: (num_packs,) int64 count of tokens with a training target (label != -100).
 
     ``length_policy`` (drop | truncate | split) is applied to each conversation first (raytrain.dataset.length);
     a conversation "drop" would refuse is an error naming its uuid.
@@ -191,4 +192,5 @@ def tokenize_and_pack_batch(
     }
     out["doc_ids"] = np.array([",".join(p.doc_ids) for p in packs], dtype=object)
     out["num_tokens"] = np.array([p.num_real_tokens for p in packs], dtype=np.int64)
+    out["num_targets"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int64)
     return out

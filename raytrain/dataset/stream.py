@@ -10,26 +10,32 @@ trains. Validation rows are packed like training rows (same length policy) under
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
 from raytrain.config import DatasetConfig
 from raytrain.dataset.pack import tokenize_and_pack_batch
+from raytrain.dataset.packs import PackReader
+from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
+PACK_ROW_GROUP_ROWS = 1
 TOKENIZE_BATCH_ROWS = 512  # conversations per map_batches call: large enough that per-batch padding stays small
 
 
@@ -41,21 +47,59 @@ class PackedData:
     num_real_tokens: int
     validation: PackedData | None = None
     """The held-out validation packs (under ``location/validation``); None when no row was held out."""
+    benchmark: PackedData | None = None
+    """The decontamination eval sets' question/answer items as conversations (under ``location/benchmark``):
+    the loss on their answers is the run's benchmark loss; None when no item could be formatted."""
+
+
+def _uuid_unit(uuids: Iterable[str], salt: str = "") -> np.ndarray:
+    """sha1(salt + uuid) read as a number in [0, 1), per uuid: depends on nothing but the uuid."""
+    scale = float(2**64)
+    return np.array([int.from_bytes(hashlib.sha1(f"{salt}{u}".encode()).digest()[:8], "big") / scale
+                     for u in uuids], dtype=np.float64)
 
 
 def validation_mask(uuids: Iterable[str], fraction: float) -> np.ndarray:
     """True for the rows held out for validation: sha1(uuid) read as a number in [0, 1) is below ``fraction``.
 
     Depends on nothing but the uuid: stable across reruns, resumes, machines and row order."""
-    scale = float(2**64)
-    return np.array([int.from_bytes(hashlib.sha1(str(u).encode()).digest()[:8], "big") / scale < fraction
-                     for u in uuids], dtype=bool)
+    return _uuid_unit(uuids) < fraction
 
 
-def _rows_of_role(batch: pd.DataFrame, fraction: float, validation: bool) -> pd.DataFrame:
-    """The batch's validation rows (``validation``) or its training rows; for Ray Data ``map_batches``."""
+def mixture_copies(uuids: Iterable[str], splits: Iterable[str], weights: dict[str, float]) -> np.ndarray:
+    """How many times each training row is used under ``dataset.split_weights``: floor(w), plus one when
+    sha1("mixture:" + uuid) in [0, 1) is below w - floor(w) (independent of the validation hash)."""
+    w = np.array([weights.get(split, 1.0) for split in splits], dtype=np.float64)
+    whole = np.floor(w)
+    return (whole + (_uuid_unit(uuids, "mixture:") < w - whole)).astype(np.int64)
+
+
+def _rows_of_role(batch: pd.DataFrame, fraction: float, validation: bool,
+                  weights: dict[str, float] | None = None) -> pd.DataFrame:
+    """The batch's validation rows (``validation``) or its training rows, each training row repeated by its
+    mixture weight; for Ray Data ``map_batches``."""
     mask = validation_mask(batch["uuid"], fraction)
-    return batch[mask if validation else ~mask]
+    rows = batch[mask if validation else ~mask]
+    if validation or not weights:
+        return rows
+    return rows.loc[rows.index.repeat(mixture_copies(rows["uuid"], rows["split"], weights))].reset_index(drop=True)
+
+
+def _mixture_counts(enriched: StorageLocation, files: list[str], fraction: float,
+                    weights: dict[str, float]) -> dict[str, dict[str, int]]:
+    """Training rows per split before and after the mixture weights (reads the uuid and split columns only)."""
+    table = pa.concat_tables([pq.read_table(enriched.filesystem.open_input_file(f), columns=["uuid", "split"])
+                              for f in files])
+    uuids, splits = table.column("uuid").to_pylist(), table.column("split").to_pylist()
+    train = ~validation_mask(uuids, fraction)
+    copies = mixture_copies(uuids, splits, weights)
+    out: dict[str, dict[str, int]] = {}
+    for split, keep, n in zip(splits, train.tolist(), copies.tolist(), strict=True):
+        if keep:
+            entry = out.setdefault(split, {"rows": 0, "sampled_rows": 0})
+            entry["rows"] += 1
+            entry["sampled_rows"] += n
+    return dict(sorted(out.items()))
 
 
 def validation_fraction(cfg: DatasetConfig, num_rows: int) -> float:
@@ -82,14 +126,16 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
             f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
             "Use a new storage.run_name, or the settings the run was started with.")
     log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
-    held_out = existing.get("validation") or {}
-    validation = None
-    if held_out.get("num_packs"):
-        folder = packed.join("validation")
-        validation = PackedData(folder, tuple(folder.join(n).path for n in held_out["files"]),
-                                held_out["num_packs"], held_out["num_real_tokens"])
+    def subset(name: str) -> PackedData | None:
+        entry = existing.get(name) or {}
+        if not entry.get("num_packs"):
+            return None
+        folder = packed.join(name)
+        return PackedData(folder, tuple(folder.join(n).path for n in entry["files"]), entry["num_packs"],
+                          entry["num_real_tokens"])
+
     return PackedData(packed, tuple(packed.join(n).path for n in existing["files"]), existing["num_packs"],
-                      existing["num_real_tokens"], validation)
+                      existing["num_real_tokens"], subset("validation"), subset("benchmark"))
 
 
 def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> tuple[list[str], int, int]:
@@ -97,7 +143,8 @@ def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> tup
     ds = ds.map_batches(tokenize_and_pack_batch, batch_format="pandas", batch_size=TOKENIZE_BATCH_ROWS,
                         fn_kwargs={"tokenizer_version": cfg.tokenizer, "seq_len": cfg.seq_len,
                                   "length_policy": cfg.length_policy})
-    ds.write_parquet(out.path, filesystem=out.filesystem)
+    # one pack per row group: a trainer rank reads exactly the packs it trains (raytrain.dataset.packs)
+    ds.write_parquet(out.path, filesystem=out.filesystem, row_group_size=PACK_ROW_GROUP_ROWS)
     out_files = _parquet_files(out) if out.exists() else []
     num_packs, num_tokens = 0, 0
     for path in out_files:
@@ -108,9 +155,35 @@ def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> tup
     return out_files, num_packs, num_tokens
 
 
+def benchmark_conversations(records: Sequence[dict[str, Any] | str], cfg: DatasetConfig
+                            ) -> tuple[pd.DataFrame, dict[str, int]]:
+    """Eval items with a non-empty ``question`` and ``answer`` as [user: question, assistant: answer] conversations
+    (``uuid`` benchmark-<i>, ``messages_json``), and the counts of items left out: no question/answer fields
+    (e.g. plain-text eval sets), or longer than ``dataset.seq_len`` tokens (never cut: a cut answer is another
+    benchmark)."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    rows: list[dict[str, str]] = []
+    skipped = {"no_question_answer": 0, "longer_than_seq_len": 0}
+    for i, record in enumerate(records):
+        question = record.get("question") if isinstance(record, dict) else None
+        answer = record.get("answer") if isinstance(record, dict) else None
+        if not (isinstance(question, str) and question.strip() and isinstance(answer, str) and answer.strip()):
+            skipped["no_question_answer"] += 1
+            continue
+        messages = [{"role": "user", "content": question, "tool_calls": None},
+                    {"role": "assistant", "content": answer, "tool_calls": None}]
+        if tokenize_conversation(messages, tokenizer).num_tokens > cfg.seq_len:
+            skipped["longer_than_seq_len"] += 1
+            continue
+        rows.append({"uuid": f"benchmark-{i}", "messages_json": json.dumps(messages)})
+    return pd.DataFrame(rows, columns=["uuid", "messages_json"]), skipped
+
+
 def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: DatasetConfig,
-                      data_hash: str) -> PackedData:
-    """Tokenize + pack the enriched conversations with Ray Data and write them, manifest last, under `packed`."""
+                      data_hash: str, eval_records: Sequence[dict[str, Any] | str] = ()) -> PackedData:
+    """Tokenize + pack the enriched conversations with Ray Data and write them, manifest last, under `packed`;
+    ``eval_records`` (the decontamination eval sets' items) become the benchmark set (``benchmark_conversations``).
+    """
     if packed.exists():
         packed.delete_dir()  # a partial output from an interrupted run (no manifest): start clean
     t0 = time.perf_counter()
@@ -119,10 +192,16 @@ def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: D
         raise RaytrainError(f"no enriched Parquet under {enriched.uri}: did the enrich stage keep any row?")
     num_rows = sum(pq.ParquetFile(enriched.filesystem.open_input_file(f)).metadata.num_rows for f in files)
     fraction = validation_fraction(cfg, num_rows)
-    ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=["uuid", "messages_json"])
+    weights = cfg.weights()
+    if weights and "split" not in pq.read_schema(enriched.filesystem.open_input_file(files[0])).names:
+        raise RaytrainError(f"dataset.split_weights needs the enriched rows' 'split' column; {files[0]} has none. "
+                            "Re-run the enrichment, or drop dataset.split_weights.")
+    columns = ["uuid", "split", "messages_json"] if weights else ["uuid", "messages_json"]
+    ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=columns)
     validation, held_out = None, {"rows": 0, "num_packs": 0, "num_real_tokens": 0, "files": [], "fraction": fraction}
-    train_ds = ds if fraction == 0 else ds.map_batches(_rows_of_role, batch_format="pandas",
-                                                       fn_kwargs={"fraction": fraction, "validation": False})
+    train_ds = ds if fraction == 0 and not weights else ds.map_batches(
+        _rows_of_role, batch_format="pandas", fn_kwargs={"fraction": fraction, "validation": False,
+                                                         "weights": weights})
     out_files, num_packs, num_tokens = _pack(train_ds, packed, cfg)
     if fraction > 0:
         held_out_ds = ds.map_batches(_rows_of_role, batch_format="pandas",
@@ -134,25 +213,78 @@ def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: D
             held_out.update(num_packs=val_packs, num_real_tokens=val_tokens,
                             files=[p.rsplit("/", 1)[-1] for p in val_files])
             validation = PackedData(folder, tuple(val_files), val_packs, val_tokens)
+    benchmark, bench = None, {"items": len(eval_records), "num_packs": 0, "num_real_tokens": 0, "files": []}
+    if eval_records:
+        conversations, bench["skipped"] = benchmark_conversations(eval_records, cfg)
+        bench["conversations"] = len(conversations)
+        if len(conversations):
+            folder = packed.join("benchmark")
+            files_b, packs_b, tokens_b = _pack(ray.data.from_pandas(conversations), folder, cfg)
+            bench.update(num_packs=packs_b, num_real_tokens=tokens_b, files=[p.rsplit("/", 1)[-1] for p in files_b])
+            benchmark = PackedData(folder, tuple(files_b), packs_b, tokens_b)
+        log.info("dataset: benchmark loss on %d of %d eval items (left out: %s) -> %d packed sequences",
+                 len(conversations), len(eval_records), bench["skipped"], bench["num_packs"])
     manifest = {"data_hash": data_hash, "num_packs": num_packs, "num_real_tokens": num_tokens,
                 "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer,
                 "files": [p.rsplit("/", 1)[-1] for p in out_files], "rows": num_rows - held_out["rows"],
-                "validation": held_out}
+                "validation": held_out, "benchmark": bench}
+    if weights:
+        manifest["mixture"] = {"weights": weights, "per_split": _mixture_counts(enriched, files, fraction, weights)}
+        for split, n in manifest["mixture"]["per_split"].items():
+            log.info("dataset: mixture %s x%g: %d training rows -> %d", split, weights.get(split, 1.0), n["rows"],
+                     n["sampled_rows"])
     packed.join(MANIFEST).write_atomic(json.dumps(manifest, indent=2))
     log.info("dataset: %d conversations -> %d packed sequences of %d tokens (%d real tokens, %.1f%% fill) in %.1fs",
              num_rows - held_out["rows"], num_packs, cfg.seq_len, num_tokens,
              100.0 * num_tokens / max(1, num_packs * cfg.seq_len), time.perf_counter() - t0)
     log.info("dataset: %d conversations held out for validation (uuid hash < %.4f) -> %d packed sequences",
              held_out["rows"], fraction, held_out["num_packs"])
-    return PackedData(packed, tuple(out_files), num_packs, num_tokens, validation)
+    return PackedData(packed, tuple(out_files), num_packs, num_tokens, validation, benchmark)
 
 
-def training_dataset(packed: PackedData) -> ray.data.Dataset:  # also the validation stream (packed.validation)
-    """The packed sequences as a lazily read Ray Dataset, files in a fixed order."""
-    ds = ray.data.read_parquet(list(packed.files), filesystem=packed.location.filesystem).select_columns(
-        ["input_ids", "position_ids", "segment_ids", "labels", "doc_ids"])
-    # Every reading worker executes this dataset once per epoch; its progress bars would be drawn in the driver's
-    # console between the step lines. The driver shows the packing bars, the workers print their steps. Only this
-    # dataset's context is changed, not the driver's.
+def _read_micro_batches(batch: dict[str, np.ndarray], folder_uri: str, files: tuple[str, ...],
+                        s3_endpoint: str | None) -> dict[str, np.ndarray]:
+    """Ray Data ``map_batches`` function: rows of pack-index arrays (one micro-batch each) -> their packs, in order,
+    with the Parquet bytes this call read in ``bytes_read`` (on the first row; 0 on the others)."""
+    reader = _pack_reader(folder_uri, files, s3_endpoint)
+    before = reader.bytes_read
+    packs = np.concatenate([np.asarray(p, dtype=np.int64) for p in batch["packs"]])
+    out = reader.read(packs)
+    out["bytes_read"] = np.zeros(len(packs), dtype=np.int64)
+    out["bytes_read"][0] = reader.bytes_read - before
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _pack_reader(folder_uri: str, files: tuple[str, ...], s3_endpoint: str | None) -> PackReader:
+    return PackReader(folder_uri, files, s3_endpoint)  # one per Ray worker process: file footers read once
+
+
+def stream_micro_batches(folder_uri: str, files: tuple[str, ...], s3_endpoint: str | None,
+                         micro_batches: list[np.ndarray], micro_batch_size: int,
+                         stats: dict[str, int] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The packs of ``micro_batches`` (arrays of pack indices, ``micro_batch_size`` each) streamed by Ray Data
+    tasks in that order, one numpy batch per micro-batch; ``stats['bytes_read']`` and ``stats['packs_read']``
+    add up what was read. Used by the trainer for the packs of its own replica only."""
+    if not micro_batches:
+        return
+    per_task = 16  # micro-batches per read task: file footers are cached per worker process
+    ds = ray.data.from_items([{"packs": np.asarray(p, dtype=np.int64)} for p in micro_batches],
+                             override_num_blocks=max(1, len(micro_batches) // per_task))
+    ds = ds.map_batches(_read_micro_batches, batch_size=per_task, batch_format="numpy",
+                        fn_kwargs={"folder_uri": folder_uri, "files": files, "s3_endpoint": s3_endpoint},
+                        num_cpus=READ_TASK_CPUS)
+    ds.context.execution_options.preserve_order = True
+    # Every reading worker runs this once per epoch; its progress bars would be drawn in the driver's console
+    # between the step lines (only this dataset's context is changed).
     ds.context.enable_progress_bars = False
-    return ds
+    for batch in ds.iter_batches(batch_size=micro_batch_size, batch_format="numpy", prefetch_batches=4):
+        if stats is not None:
+            stats["bytes_read"] = stats.get("bytes_read", 0) + int(batch.pop("bytes_read").sum())
+            stats["packs_read"] = stats.get("packs_read", 0) + len(batch["pack_index"])
+        yield batch
+
+
+READ_TASK_CPUS = 0.25
+"""Logical CPUs a pack-reading task reserves: reading is I/O, and a cluster whose CPUs the trainer's workers hold
+(pp * dp workers on as many CPUs) must still run it."""

@@ -12,7 +12,8 @@ import json
 import os
 import re
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -71,17 +72,15 @@ def _record_text(record: dict, fields: Sequence[str] | None, where: str) -> str:
     return "\n".join(str(record[f]) for f in fields if record[f] is not None)
 
 
-def load_eval_sets(paths: Sequence[str], fields: Sequence[str] | str | None = None) -> list[str]:
-    """Eval texts from JSONL (``.jsonl``/``.json`` lines), Parquet (``.parquet``) or plain text (any other
-    extension: one item per non-empty line).
+def eval_text(record: dict[str, Any] | str, fields: Sequence[str] | None, where: str) -> str:
+    """The text of one eval item for the n-gram index: a plain-text line as is, a record's ``fields`` joined."""
+    return record if isinstance(record, str) else _record_text(record, fields, where)
 
-    ``fields``: the record field(s) whose values are joined into one text; default "text" when a record has
-    it, else "question" + "answer". Raises RaytrainError naming the file (and line) on a missing file,
-    bad JSON or missing field.
-    """
-    if isinstance(fields, str):
-        fields = (fields,)
-    texts: list[str] = []
+
+def iter_eval_records(paths: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | str]]:
+    """(where, item) for every eval item: records from JSONL (``.jsonl``/``.json`` lines) and Parquet
+    (``.parquet``), plain-text lines from any other extension. Raises RaytrainError naming the file (and line) on a
+    missing file or bad JSON."""
     for path in paths:
         if not os.path.isfile(path):
             raise RaytrainError(f"eval set {path!r} does not exist. Fix: correct enrich.eval_sets.")
@@ -97,13 +96,26 @@ def load_eval_sets(paths: Sequence[str], fields: Sequence[str] | str | None = No
                         raise RaytrainError(f"{path}:{lineno}: not valid JSON ({e.msg}). Fix: one object per line.") from e
                     if not isinstance(record, dict):
                         raise RaytrainError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                    texts.append(_record_text(record, fields, f"{path}:{lineno}"))
+                    yield f"{path}:{lineno}", record
         elif ext == ".parquet":
             import pyarrow.parquet as pq
 
             for i, record in enumerate(pq.read_table(path).to_pylist()):
-                texts.append(_record_text(record, fields, f"{path} row {i}"))
+                yield f"{path} row {i}", record
         else:
             with open(path, encoding="utf-8") as f:
-                texts.extend(line.strip() for line in f if line.strip())
-    return texts
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield f"{path}:{lineno}", line.strip()
+
+
+def load_eval_sets(paths: Sequence[str], fields: Sequence[str] | str | None = None) -> list[str]:
+    """Eval texts from JSONL, Parquet or plain text files (``iter_eval_records``).
+
+    ``fields``: the record field(s) whose values are joined into one text; default "text" when a record has
+    it, else "question" + "answer". Raises RaytrainError naming the file (and line) on a missing file,
+    bad JSON or missing field.
+    """
+    if isinstance(fields, str):
+        fields = (fields,)
+    return [eval_text(record, fields, where) for where, record in iter_eval_records(paths)]

@@ -41,7 +41,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from raytrain.config import JobConfig
-from raytrain.enrich.decontam import build_eval_index, load_eval_sets
+from raytrain.enrich.decontam import build_eval_index, eval_text, iter_eval_records
 from raytrain.enrich.inputs import discover_inputs, validate_inputs
 from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, merge_reasons, summary_text
 from raytrain.errors import RaytrainError
@@ -69,12 +69,16 @@ class EvalSets:
 
     texts: list[str]
     sources: list[dict[str, Any]]  # {"uri", "sha256", "items"} per file
+    records: list[dict[str, Any] | str] = field(default_factory=list)
+    """The items as read (records, or plain-text lines), parallel to ``texts``: the benchmark loss formats the
+    question/answer records as conversations (raytrain.dataset.stream.pack_benchmark)."""
 
 
 def load_eval_texts(eval_sets: tuple[str, ...], input_root: StorageLocation, s3_endpoint: str | None) -> EvalSets:
     """Read the eval files (paths or URIs; 'sample' = the input's eval/eval_set.jsonl); object-store files are
     copied to a temp dir first because decontam.load_eval_sets reads local files."""
     texts: list[str] = []
+    records: list[dict[str, Any] | str] = []
     sources: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="raytrain-eval-") as tmp:
         for i, spec in enumerate(eval_sets):
@@ -87,10 +91,11 @@ def load_eval_texts(eval_sets: tuple[str, ...], input_root: StorageLocation, s3_
             if not loc.is_posix:
                 with open(local, "wb") as f:
                     f.write(data)
-            items = load_eval_sets([local])
-            texts.extend(items)
+            items = list(iter_eval_records([local]))
+            texts.extend(eval_text(record, None, where) for where, record in items)
+            records.extend(record for _, record in items)
             sources.append({"uri": loc.uri, "sha256": hashlib.sha256(data).hexdigest(), "items": len(items)})
-    return EvalSets(texts, sources)
+    return EvalSets(texts, sources, records)
 
 
 @dataclass

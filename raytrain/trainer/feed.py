@@ -1,13 +1,19 @@
-"""Turn a worker's view of the packed dataset into the micro-batches DeepSpeed's pipeline engine pulls.
+"""Turn the packed dataset into the micro-batches DeepSpeed's pipeline engine pulls, for one replica.
 
-Pure: takes any `epoch -> iterable of numpy batches` callable, so it is tested with plain lists and used with a
-Ray Data iterator in the worker.
+Pure: takes per-pack token counts and any "pack indices -> numpy batches" reader, so it is tested with in-memory
+packs and used with Ray Data tasks reading the packed Parquet in the worker.
+
+Order: each epoch trains the packs in ``epoch_order`` (a permutation drawn from ``train.seed`` and the epoch when
+``train.shuffle``), cut into micro-batches and dealt out to replicas step by step (raytrain.trainer.schedule). The
+order is a pure function of (seed, epoch, number of packs), so both data-reading stages of a pipeline see the same
+micro-batches and a resumed run continues exactly where its checkpoint left off. Each replica reads only its own
+micro-batches' packs.
 
 Loss normalization: the loss of an optimizer step is the mean over *every target token of the global batch* (all
 m micro-batches of all dp replicas), as torchtune and transformers' ``num_items_in_batch`` do, not a mean of
 per-micro-batch means (which weighs a token in a pack with few targets more than one in a full pack). Every reader
-streams the whole fixed-order dataset, so it counts the targets of the step's dp * m micro-batches before yielding
-its own m, each with ``loss_scale = dp * m / targets``. The loss function multiplies the micro-batch's summed
+knows every pack's target count (a small column read once), so it counts the targets of the step's dp * m
+micro-batches and gives each of its own m ``loss_scale = dp * m / targets``. The loss function multiplies the micro-batch's summed
 token loss by it; DeepSpeed then divides by m (gradient accumulation) and averages over dp, which leaves
 sum / targets for both the reported loss and the gradients.
 """
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 
 from raytrain.dataset.pack import PAD_SEGMENT_ID
+from raytrain.dataset.packs import PackCounts
 from raytrain.pipeline.model import IGNORE_INDEX
 from raytrain.trainer.schedule import epoch_and_offset, micro_batches_per_step, owns_micro_batch
 
@@ -70,45 +77,102 @@ def to_micro_batch(batch: dict[str, np.ndarray], loss_scale: float) -> MicroBatc
     return (ids, pos, seg), (labels, torch.tensor(loss_scale, dtype=torch.float32))
 
 
+def epoch_order(num_packs: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """Pack indices of epoch ``epoch`` in training order: a permutation drawn from (seed, epoch) when shuffling, the
+    written order otherwise. A pure function of its arguments: every stage and replica computes the same order, and
+    a resumed run recomputes it exactly."""
+    if not shuffle:
+        return np.arange(num_packs, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(num_packs).astype(np.int64)
+
+
+ReadMicroBatches = Callable[[list[np.ndarray]], Iterable[dict[str, np.ndarray]]]
+"""Given micro-batches as arrays of pack indices, yield each one's numpy batch in that order (a ``PackReader`` in
+this process, or Ray Data tasks: ``raytrain.dataset.stream.stream_micro_batches``)."""
+
+
+def in_memory_packs(packs: dict[str, np.ndarray]) -> tuple[PackCounts, ReadMicroBatches]:
+    """Packs held in memory (one numpy batch of every pack, in the fixed order): their counts and a reader for
+    ``micro_batches``. For tests and the in-memory feed of benchmarks/bench_pipeline.py."""
+    columns = {name: np.asarray(column) if name != "doc_ids" else np.asarray(column, dtype=object)
+               for name, column in packs.items()}
+    counts = PackCounts(num_tokens=(_column(columns, "segment_ids") != PAD_SEGMENT_ID).sum(axis=1).astype(np.int64),
+                        num_targets=(_column(columns, "labels") != IGNORE_INDEX).sum(axis=1).astype(np.int64))
+
+    def read(own: list[np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        for packs_of_batch in own:
+            yield {**{name: column[packs_of_batch] for name, column in columns.items()}, "pack_index": packs_of_batch}
+
+    return counts, read
+
+
 def micro_batches(
-    epoch_batches: Callable[[int], Iterable[dict[str, np.ndarray]]],
+    counts: PackCounts,
+    read: ReadMicroBatches,
     *,
+    micro_batch_size: int,
     start_position: int,
-    micro_batches_per_epoch: int,
     dp_rank: int,
     dp: int,
     grad_accum_steps: int,
+    seed: int = 0,
+    shuffle: bool = False,
     trace: FeedTrace | None = None,
 ) -> Iterator[MicroBatch]:
-    """Endless micro-batches for replica `dp_rank`, starting at global micro-batch `start_position` (a step boundary).
+    """Endless micro-batches for replica ``dp_rank``, starting at global micro-batch ``start_position`` (a step
+    boundary).
 
-    `epoch_batches(epoch)` must yield the same micro-batches in the same order every time it is called (a fixed-order
-    dataset); only its first `micro_batches_per_epoch` full batches count, so a short last batch is never used.
-    A replica's m micro-batches of a step are yielded once the whole step (all replicas' micro-batches) has been
-    read, each with the step's loss scale (module docstring).
+    Global micro-batch g = epoch * E + k (E = num_packs // micro_batch_size; the packs left over by the last full
+    micro-batch of an epoch are not trained that epoch) holds packs ``order[k * mbs : (k + 1) * mbs]`` of that
+    epoch's order (``epoch_order``). Only this replica's micro-batches are read; the step's loss scale comes from
+    the target counts of all dp * m micro-batches (``counts``), so every replica and both data-reading stages of a
+    pipeline use the same one (module docstring).
     """
+    mbs = micro_batch_size
+    per_epoch = counts.num_packs // mbs
+    if per_epoch <= 0:
+        raise ValueError(f"the dataset holds {counts.num_packs} packs, no full micro-batch of {mbs}")
     per_step = micro_batches_per_step(dp, grad_accum_steps)
     if start_position % per_step:
         raise ValueError(f"start_position {start_position} is not a step boundary (multiple of dp * m = {per_step})")
-    own: list[tuple[int, dict[str, np.ndarray]]] = []
-    seen = targets = tokens = 0
-    for global_index, batch in _stream(epoch_batches, start_position, micro_batches_per_epoch):
-        targets += count_targets(batch)
-        tokens += count_real_tokens(batch)
-        if owns_micro_batch(global_index, dp_rank, dp, grad_accum_steps):
-            own.append((global_index, batch))
-        seen += 1
-        if seen < per_step:
-            continue
+    orders: dict[int, np.ndarray] = {}
+
+    def packs_of(global_index: int) -> np.ndarray:
+        epoch, k = epoch_and_offset(global_index, per_epoch)
+        if epoch not in orders:
+            for old in [e for e in orders if e < epoch - 1]:
+                del orders[old]
+            orders[epoch] = epoch_order(counts.num_packs, epoch, seed, shuffle)
+        return orders[epoch][k * mbs:(k + 1) * mbs]
+
+    def own_batches() -> Iterator[dict[str, np.ndarray]]:
+        epoch, offset = epoch_and_offset(start_position, per_epoch)
+        while True:
+            first = epoch * per_epoch
+            yield from read([packs_of(first + k) for k in range(offset, per_epoch)
+                             if owns_micro_batch(first + k, dp_rank, dp, grad_accum_steps)])
+            epoch, offset = epoch + 1, 0
+
+    own = own_batches()
+    position = start_position
+    while True:
+        step_packs = [packs_of(g) for g in range(position, position + per_step)]
+        every = np.concatenate(step_packs)
+        targets = int(counts.num_targets[every].sum())
         loss_scale = per_step / targets if targets else 0.0  # no target in the step: every loss sum is 0 anyway
         if trace is not None:
-            trace.step_tokens.append(tokens)
+            trace.step_tokens.append(int(counts.num_tokens[every].sum()))
             trace.step_targets.append(targets)
-        for own_index, own_batch in own:
+        for g, packs in zip(range(position, position + per_step), step_packs, strict=True):
+            if not owns_micro_batch(g, dp_rank, dp, grad_accum_steps):
+                continue
+            batch = next(own)
+            if "pack_index" in batch and not np.array_equal(np.asarray(batch["pack_index"]), packs):
+                raise RuntimeError(f"micro-batch {g}: read packs {list(batch['pack_index'])}, expected {list(packs)}")
             if trace is not None:
-                trace.consumed.append((own_index, _digest(own_batch["doc_ids"])))
-            yield to_micro_batch(own_batch, loss_scale)
-        own, seen, targets, tokens = [], 0, 0, 0
+                trace.consumed.append((g, _digest(batch["doc_ids"])))
+            yield to_micro_batch(batch, loss_scale)
+        position += per_step
 
 
 def validation_micro_batches(batches: Iterable[dict[str, np.ndarray]], *, micro_batch_size: int, dp_rank: int,
@@ -143,17 +207,3 @@ def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     padded["doc_ids"] = np.concatenate([np.asarray(batch["doc_ids"], dtype=object),
                                         np.array([""] * (rows - have), dtype=object)])
     return padded
-
-
-def _stream(epoch_batches: Callable[[int], Iterable[dict[str, np.ndarray]]], start_position: int,
-            micro_batches_per_epoch: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """(global micro-batch index, batch) from `start_position` on, epoch after epoch."""
-    epoch, offset = epoch_and_offset(start_position, micro_batches_per_epoch)
-    while True:
-        for index, batch in enumerate(epoch_batches(epoch)):
-            if index >= micro_batches_per_epoch:
-                break
-            if index < offset:
-                continue  # consumed before the checkpoint we resumed from
-            yield epoch * micro_batches_per_epoch + index, batch
-        epoch, offset = epoch + 1, 0

@@ -8,12 +8,12 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.data import ExecutionOptions
-from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig
+from raytrain.dataset.stream import PackedData
 from raytrain.errors import RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.storage import StorageLocation
@@ -32,17 +32,7 @@ def job_as_overrides(job: JobConfig) -> list[str]:
     """The resolved job config as dotted overrides: plain strings travel to workers and rebuild the same config."""
     import json
 
-    out: list[str] = []
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else k, v)
-        else:
-            out.append(f"{prefix}={json.dumps(list(node) if isinstance(node, tuple) else node)}")
-
-    walk("", job.to_dict())
-    return out
+    return [f"{key}={json.dumps(value)}" for key, value in job.flat_dict().items()]
 
 
 def software_versions() -> dict[str, str]:
@@ -56,6 +46,21 @@ def software_versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             out[n] = "not installed"
     return out
+
+
+def _evaluable(subset: PackedData | None, name: str, micro_batch_size: int, dp: int) -> PackedData | None:
+    """``subset`` when it gives every dp replica at least one micro-batch to evaluate, else None (warned)."""
+    if subset is not None and -(-subset.num_packs // micro_batch_size) < dp:
+        log.warning("%s: %d sequences make fewer micro-batches than train.dp=%d replicas; no %s loss%s", name,
+                    subset.num_packs, dp, name, " (raise dataset.validation_fraction)" if name == "validation" else "")
+        return None
+    return subset
+
+
+def _files_of(packed: PackedData) -> dict[str, Any]:
+    """Where a worker finds a packed set: folder URI, file names in the fixed order, number of packs."""
+    return {"uri": packed.location.uri, "files": [p.rsplit("/", 1)[-1] for p in packed.files],
+            "num_packs": packed.num_packs}
 
 
 def user_error(error: BaseException) -> RaytrainError | None:
@@ -72,12 +77,13 @@ def user_error(error: BaseException) -> RaytrainError | None:
     return None
 
 
-def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, num_packs: int,
-          max_failures: int = 0, validation: ray.data.Dataset | None = None, validation_packs: int = 0
-          ) -> TrainResult:
-    """Fit the TorchTrainer on ``packed`` (``num_packs`` sequences); ``validation`` (``validation_packs``
-    sequences) gives the eval loss every train.eval_every steps and at the end."""
+def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_failures: int = 0) -> TrainResult:
+    """Fit the TorchTrainer on the ``packed`` sequences; their validation packs (``packed.validation``) give the
+    eval loss every train.eval_every steps and at the end."""
     tc = job.train
+    num_packs = packed.num_packs
+    validation = _evaluable(packed.validation, "validation", tc.micro_batch_size, tc.dp)
+    benchmark = _evaluable(packed.benchmark, "benchmark", tc.micro_batch_size, tc.dp)
     ds_config = derive_ds_config(load_ds_config(tc.ds_config), tc, ds_path=tc.ds_config)
     micro_batches_per_epoch = num_packs // tc.micro_batch_size
     if micro_batches_per_epoch < tc.dp * tc.grad_accum_steps:
@@ -85,21 +91,23 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
             f"the packed dataset holds {num_packs} sequences = {micro_batches_per_epoch} micro-batches of "
             f"{tc.micro_batch_size}, fewer than one optimizer step needs ({tc.dp} x {tc.grad_accum_steps}); "
             "use more data, a smaller dataset.seq_len or smaller batches")
-    if validation is not None and -(-validation_packs // tc.micro_batch_size) < tc.dp:
-        log.warning("validation: %d held-out sequences make fewer micro-batches than train.dp=%d replicas; no eval "
-                    "loss (raise dataset.validation_fraction)", validation_packs, tc.dp)
-        validation, validation_packs = None, 0
     if validation is None and tc.eval_every:
         log.warning("train.eval_every=%d but the run has no validation set: no eval loss (set "
                     "dataset.validation_fraction > 0)", tc.eval_every)
+    if tc.tracking and not run_root.is_posix and (("mlflow" in tc.tracking and not tc.mlflow_uri)
+                                                  or "wandb" in tc.tracking and tc.wandb_mode == "offline"):
+        raise RaytrainError(f"train.tracking={list(tc.tracking)} writes under the run's reports/, which is on "
+                            f"{run_root.uri} (not a POSIX mount): set train.mlflow_uri to a tracking server and "
+                            "train.wandb_mode=online, or use a run root on a shared filesystem")
     if run_root.is_posix:
         run_root.join("reports").mkdirs()  # workers append metrics and data traces here
     loop_config = {
         "overrides": job_as_overrides(job),
         "run_uri": run_root.uri,
         "ds_config": ds_config,
-        "micro_batches_per_epoch": micro_batches_per_epoch,
-        "validation_packs": validation_packs if validation is not None else 0,
+        "packed": _files_of(packed),
+        "validation": _files_of(validation) if validation is not None else None,
+        "benchmark": _files_of(benchmark) if benchmark is not None else None,
         "local_reports_dir": run_root.join("reports").path if run_root.scheme == "file" else None,
         "versions": software_versions(),
     }
@@ -114,10 +122,9 @@ def train(job: JobConfig, run_root: StorageLocation, packed: ray.data.Dataset, n
             name="ray_train", storage_path=run_root.join("ray").ray_storage_path,
             storage_filesystem=run_root.join("ray").ray_storage_filesystem,
             failure_config=FailureConfig(max_failures=max_failures)),
-        datasets={"train": packed, **({"validation": validation} if validation is not None else {})},
-        # Not split by Ray (that would shard by world rank): every reader sees the whole dataset in a fixed order
-        # and takes its data-parallel share itself (raytrain.trainer.schedule).
-        dataset_config=DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)),
+        # No `datasets=`: Ray Train would shard them by world rank, and the two data-reading stages of a pipeline
+        # must see the same micro-batches (ray#60439). Each reading worker streams exactly its replica's packs with
+        # Ray Data itself (raytrain.trainer.feed, raytrain.dataset.stream.stream_micro_batches).
     )
     try:
         trainer.fit()

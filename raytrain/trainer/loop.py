@@ -19,12 +19,15 @@ import torch.distributed as dist
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig, load_job_config
+from raytrain.dataset.packs import PackReader
+from raytrain.dataset.stream import stream_micro_batches
 from raytrain.pipeline.flops import flops_per_token, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
 from raytrain.trainer.schedule import Topology, data_position, validation_micro_batches_of
+from raytrain.trainer.tracking import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,8 @@ def _job_from(loop_config: dict[str, Any]) -> JobConfig:
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point run by every TorchTrainer worker. `loop_config` holds plain data only (it is pickled to workers):
-    overrides (the resolved job config as dotted overrides), run_uri, ds_config, micro_batches_per_epoch, versions."""
+    overrides (the resolved job config as dotted overrides), run_uri, ds_config, packed / validation (folder URI, file
+    names, number of packs), versions."""
     from raytrain.pipeline.engine import build_stage_engine, init_distributed
 
     job = _job_from(loop_config)
@@ -58,34 +62,45 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                             on_corrupt=tc.on_corrupt_checkpoint)
     step, resumed_metrics = _resume(stage, store, topo, tc)
 
-    # ---- data: first and last stages read the packed dataset in a fixed order, sharded by dp rank -------------
+    # ---- data: first and last stages read their replica's packs in the epoch's order (raytrain.trainer.feed) ----
     trace = FeedTrace()
     data_iter = None
+    read_stats: dict[str, int] = {}
+    endpoint = job.storage.s3_endpoint or None
+    packed = loop_config["packed"]
     if topo.needs_data:
-        shard = ray.train.get_dataset_shard("train")
-        mbs = tc.micro_batch_size
+        counts = PackReader(packed["uri"], packed["files"], endpoint).counts()
 
-        def epoch_batches(epoch: int):
-            return shard.iter_batches(batch_size=mbs, batch_format="numpy", drop_last=True)
+        def read(own: list) -> Any:
+            return stream_micro_batches(packed["uri"], tuple(packed["files"]), endpoint, own, tc.micro_batch_size,
+                                        read_stats)
 
-        data_iter = micro_batches(epoch_batches, start_position=data_position(step, tc.dp, tc.grad_accum_steps),
-                                  micro_batches_per_epoch=loop_config["micro_batches_per_epoch"],
+        data_iter = micro_batches(counts, read, micro_batch_size=tc.micro_batch_size,
+                                  start_position=data_position(step, tc.dp, tc.grad_accum_steps),
                                   dp_rank=topo.dp_rank, dp=tc.dp, grad_accum_steps=tc.grad_accum_steps,
-                                  trace=trace)
+                                  seed=tc.seed, shuffle=tc.shuffle, trace=trace)
 
-    # ---- validation: the whole held-out set, dp replicas sharing its micro-batches --------------------------------
-    validation_packs = loop_config.get("validation_packs", 0)
+    # ---- evaluation sets: the held-out validation packs (eval_loss) and the benchmark items (benchmark_loss); each
+    # evaluated whole, dp replicas sharing its micro-batches; read once, then kept in memory ---------------------
+    eval_sets = {metric: loop_config[name] for name, metric in (("validation", "eval_loss"),
+                                                                ("benchmark", "benchmark_loss"))
+                 if loop_config.get(name)}
+    own_eval: dict[str, list[Any]] = {}
 
-    def evaluate() -> float:
-        count = validation_micro_batches_of(topo.dp_rank, tc.dp, validation_packs, tc.micro_batch_size)
+    def evaluate(metric: str) -> float:
+        held = eval_sets[metric]
+        count = validation_micro_batches_of(topo.dp_rank, tc.dp, held["num_packs"], tc.micro_batch_size)
         eval_iter = None
         if topo.needs_data:
-            batches = ray.train.get_dataset_shard("validation").iter_batches(
-                batch_size=tc.micro_batch_size, batch_format="numpy", drop_last=False)
-            own, _targets = validation_micro_batches(batches, micro_batch_size=tc.micro_batch_size,
-                                                     dp_rank=topo.dp_rank, dp=tc.dp)
-            assert len(own) == count, f"validation: read {len(own)} micro-batches, expected {count}"
-            eval_iter = iter(own)
+            if metric not in own_eval:
+                reader = PackReader(held["uri"], held["files"], endpoint)
+                mbs, total = tc.micro_batch_size, held["num_packs"]
+                batches = (reader.read(range(i, min(i + mbs, total))) for i in range(0, total, mbs))
+                own, _targets = validation_micro_batches(batches, micro_batch_size=mbs, dp_rank=topo.dp_rank,
+                                                         dp=tc.dp)
+                assert len(own) == count, f"{metric}: read {len(own)} micro-batches, expected {count}"
+                own_eval[metric] = own
+            eval_iter = iter(own_eval[metric])
         return stage.eval_loss(eval_iter, count)
 
     # ---- train -------------------------------------------------------------------------------------------------
@@ -98,6 +113,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # rank 0 (a data-reading first stage) writes TensorBoard events: `tensorboard --logdir <run>/reports/tensorboard`
     board = _tensorboard(os.path.join(reports_dir, "tensorboard"), step) if reports_dir and topo.world_rank == 0 \
         else None
+    samples = _Samples(stage, job, topo, eval_sets.get("eval_loss"), endpoint, reports_dir) \
+        if tc.sample_new_tokens and "eval_loss" in eval_sets else None
+    trackers = Trackers(job, reports_dir, topo.world_rank)  # MLflow / W&B on request (train.tracking), rank 0
     end_step = tc.stop_at_step or tc.max_steps
     tokens_seen = int(resumed_metrics.get("tokens_seen") or 0)
     launch_t0, launch_step = time.perf_counter(), step
@@ -124,9 +142,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "mfu": (tokens_per_s * flops_tok / (tc.peak_tflops * 1e12 * tc.num_workers)) if tc.peak_tflops else None,
             "data_position": data_position(step, tc.dp, tc.grad_accum_steps),
         }
-        if validation_packs and (step == end_step or (tc.eval_every and step % tc.eval_every == 0)):
+        if eval_sets and (step == end_step or (tc.eval_every and step % tc.eval_every == 0)):
             t_eval = time.perf_counter()
-            metrics["eval_loss"] = evaluate()
+            for metric in eval_sets:
+                metrics[metric] = evaluate(metric)
             metrics["eval_time_s"] = time.perf_counter() - t_eval
         record_train_step(job.storage.run_name, topo.stage, topo.dp_rank, metrics)
         if topo.world_rank == 0:
@@ -134,9 +153,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             print(f"[raytrain] step {step}/{tc.max_steps} loss {loss:.4f} lr {metrics['lr']:.2e}{grad_norm} "
                   f"{metrics['real_tokens_per_s'] or tokens_per_s:,.0f} tok/s {step_time_s:.2f}s "
                   f"eta {metrics['eta_s']:.0f}s", flush=True)
-            if "eval_loss" in metrics:
-                print(f"[raytrain] step {step}/{tc.max_steps} eval loss {metrics['eval_loss']:.4f} on "
-                      f"{validation_packs} held-out sequences ({metrics['eval_time_s']:.1f}s)", flush=True)
+            if "eval_time_s" in metrics:
+                parts = [f"{label} {metrics[metric]:.4f} on {eval_sets[metric]['num_packs']} {what}"
+                         for metric, label, what in (("eval_loss", "eval loss", "held-out sequences"),
+                                                     ("benchmark_loss", "benchmark loss", "eval-set sequences"))
+                         if metric in metrics]
+                print(f"[raytrain] step {step}/{tc.max_steps} {', '.join(parts)} ({metrics['eval_time_s']:.1f}s)",
+                      flush=True)
             if metrics_path:
                 with open(metrics_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(metrics) + "\n")
@@ -146,7 +169,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                         board.add_scalar(f"train/{name}", metrics[name], step)
                 if "eval_loss" in metrics:
                     board.add_scalar("eval/loss", metrics["eval_loss"], step)
+                if "benchmark_loss" in metrics:
+                    board.add_scalar("eval/benchmark_loss", metrics["benchmark_loss"], step)
                 board.flush()
+            trackers.log(metrics, step)
         if topo.needs_data and loop_config.get("local_reports_dir"):
             with open(os.path.join(loop_config["local_reports_dir"], f"data_trace_rank{topo.world_rank}.jsonl"),
                       "a", encoding="utf-8") as f:
@@ -157,10 +183,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             _save_checkpoint(store, stage, step, job, loop_config, metrics)
             if topo.world_rank == 0:
                 print(f"[raytrain] checkpoint step {step} -> {run_root.join('checkpoints').uri}", flush=True)
+            if samples is not None:
+                samples.generate(step)
         ray.train.report({k: v for k, v in metrics.items() if v is not None})
 
     if board is not None:
         board.close()
+    trackers.close()
+    if topo.needs_data:
+        print(f"[raytrain] rank {topo.world_rank} (stage {topo.stage}, replica {topo.dp_rank}) read "
+              f"{read_stats.get('packs_read', 0)} of {counts.num_packs} packs, "
+              f"{read_stats.get('bytes_read', 0) / 2**10:,.0f} KiB of Parquet this launch", flush=True)
     if loop_config.get("local_reports_dir"):
         # Parameter digests per rank: data-parallel replicas of one stage must hold identical weights.
         digests = {name: hashlib.sha256(p.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
@@ -168,6 +201,46 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         with open(os.path.join(loop_config["local_reports_dir"], f"param_digest_rank{topo.world_rank}.json"), "w",
                   encoding="utf-8") as f:
             json.dump({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank, "digests": digests}, f)
+
+
+class _Samples:
+    """Greedy generations at each checkpoint on the first micro_batch_size validation prompts (the first document
+    of each of the first validation packs, up to its first target token); rank 0 writes them with the reference
+    answers to reports/samples.jsonl."""
+
+    def __init__(self, stage: Any, job: JobConfig, topo: Topology, held: dict[str, Any], endpoint: str | None,
+                 reports_dir: str | None) -> None:
+        from raytrain.dataset.tokenize import load_tokenizer
+
+        self.stage, self.job, self.topo = stage, job, topo
+        self.path = os.path.join(reports_dir, "samples.jsonl") if reports_dir and topo.world_rank == 0 else None
+        self.tokenizer = load_tokenizer(job.dataset.tokenizer)
+        self.count = min(job.train.micro_batch_size, held["num_packs"])
+        self.prompts: list[list[int]] | None = None
+        self.references: list[list[int]] = []
+        if topo.needs_data:
+            batch = PackReader(held["uri"], held["files"], endpoint).read(range(self.count))
+            self.prompts = []
+            for ids, labels, segments in zip(batch["input_ids"], batch["labels"], batch["segment_ids"], strict=True):
+                first = segments == segments[0]  # the pack's first document
+                start = int((labels[first] != -100).argmax())  # labels[t] is token t + 1: the answer starts at t + 1
+                self.prompts.append(ids[first][:start + 1].tolist())
+                self.references.append(ids[first][start + 1:].tolist())
+
+    def generate(self, step: int) -> None:
+        tc = self.job.train
+        inner = self.tokenizer.instruct_tokenizer.tokenizer
+        new = self.stage.greedy_generate(self.prompts, num_prompts=self.count, micro_batch_size=tc.micro_batch_size,
+                                         seq_len=self.job.dataset.seq_len, max_new_tokens=tc.sample_new_tokens,
+                                         eos_id=inner.eos_id, src_rank=(tc.pp - 1) * tc.dp)
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            for prompt, reference, tokens in zip(self.prompts or [], self.references, new, strict=True):
+                f.write(json.dumps({"step": step, "prompt": inner.decode(prompt), "reference": inner.decode(reference),
+                                    "generated": inner.decode(tokens), "prompt_ids": prompt,
+                                    "generated_ids": tokens}) + "\n")
+        print(f"[raytrain] step {step}: {len(new)} sample generations -> {self.path}", flush=True)
 
 
 TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "real_tokens_per_s", "tokens_seen", "step_time_s", "mfu")

@@ -1,9 +1,10 @@
 """Which micro-batches a worker consumes, and where a resumed run picks up. Pure arithmetic, unit-tested.
 
-The packed dataset is read in one fixed order by every worker. The global micro-batch sequence is dealt out
-step by step: optimizer step s uses micro-batches [s * dp * m, (s + 1) * dp * m), replica r taking the m consecutive
-ones starting at s * dp * m + r * m (m = grad_accum_steps). Sharding by *data-parallel* rank, not world rank, is what
-makes every stage of one pipeline see the same micro-batches (Ray Data's own split is by world rank: ray#60439).
+Global micro-batch g is micro-batch g % E of epoch g // E (E = packs // micro_batch_size; which packs it holds is
+the epoch's order, raytrain.trainer.feed.epoch_order). The sequence is dealt out step by step: optimizer step s
+uses micro-batches [s * dp * m, (s + 1) * dp * m), replica r taking the m consecutive ones starting at
+s * dp * m + r * m (m = grad_accum_steps). Sharding by *data-parallel* rank, not world rank, is what makes every stage
+of one pipeline see the same micro-batches (Ray Data's own split is by world rank: ray#60439).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ NEW_TOKENS = 8
 
 def _overrides(root) -> list[str]:
     return [f"storage.root={root}", "storage.run_name=export", "storage.user=ci", "train.pp=2", "train.dp=1",
-            f"train.max_steps={STEPS}", f"train.checkpoint_every={STEPS}", "train.warmup_steps=1"]
+            f"train.max_steps={STEPS}", f"train.checkpoint_every={STEPS}", "train.warmup_steps=1",
+            "dataset.validation_fraction=0.2", f"train.sample_new_tokens={NEW_TOKENS}"]
 
 
 def _write_packed(job, num_conversations: int):
@@ -191,3 +192,20 @@ def test_export_serves_with_its_own_tokenizer_and_raytrain_generate(exported, re
     captured = capsys.readouterr()
     assert captured.out == tokenizer.decode(expected, skip_special_tokens=True) + "\n"
     assert f"{len(prompt_ids)} prompt tokens, {len(expected)} generated" in captured.err
+
+
+def test_checkpoint_samples_equal_transformers_greedy_decoding_of_the_export(exported, trained):
+    """The greedy generations the trainer wrote at its checkpoint (through the pipeline's eval forward, one token per
+    pass) equal transformers' ``generate`` on the export of that checkpoint from the same validation prompts."""
+    _root, job = trained
+    with open(open_run(job).root.join("reports", "samples.jsonl").path) as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["step"] for s in samples] == [STEPS] * job.train.micro_batch_size
+    hf = transformers.MistralForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    eos = hf.generation_config.eos_token_id
+    for sample in samples:
+        prompt = torch.tensor([sample["prompt_ids"]])
+        with torch.no_grad():
+            out = hf.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=eos)
+        assert out[0, prompt.shape[1]:].tolist() == sample["generated_ids"]
+        assert sample["prompt"].strip() and sample["reference"].strip()  # decoded text beside the ids

@@ -54,6 +54,7 @@ def test_enrich_and_pack_outputs(first_run):
 
 def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run):
     from raytrain.dataset.stream import validation_mask
+    from raytrain.trainer.feed import epoch_order
 
     _, job, _ = first_run
     run = open_run(job)
@@ -77,9 +78,10 @@ def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run):
     packs = [ids for name in manifest["files"]
              for ids in pq.read_table(os.path.join(packed_dir, name), columns=["doc_ids"]).column("doc_ids")
              .to_pylist()]
-    mbs = job.train.micro_batch_size
-    train_digests = {hashlib.sha1("|".join(packs[i:i + mbs]).encode()).hexdigest()[:16]
-                     for i in range(0, len(packs) - mbs + 1, mbs)}
+    mbs, tc = job.train.micro_batch_size, job.train
+    train_digests = {hashlib.sha1("|".join(packs[p] for p in order[k * mbs:(k + 1) * mbs]).encode()).hexdigest()[:16]
+                     for order in (epoch_order(len(packs), e, tc.seed, tc.shuffle) for e in range(3))
+                     for k in range(len(packs) // mbs)}
     with open(run.root.join("reports", "data_trace_rank0.jsonl").path) as f:
         consumed = [digest for row in map(json.loads, f) for _, digest in row["consumed"]]
     assert consumed and set(consumed) <= train_digests
@@ -87,6 +89,14 @@ def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run):
     # eval loss every train.eval_every steps and at the last step of the launch (stop_at_step=6)
     evaluated = {m["step"]: m["eval_loss"] for m in _metrics(run) if "eval_loss" in m}
     assert sorted(evaluated) == [5, 6] and all(math.isfinite(v) for v in evaluated.values())
+
+    # the decontamination eval set's question/answer items, packed as conversations, give the benchmark loss at the
+    # same steps
+    benchmark = manifest["benchmark"]
+    assert benchmark["items"] == benchmark["conversations"] + sum(benchmark["skipped"].values()) > 0
+    assert benchmark["num_packs"] > 0
+    scored = {m["step"]: m["benchmark_loss"] for m in _metrics(run) if "benchmark_loss" in m}
+    assert sorted(scored) == [5, 6] and all(math.isfinite(v) for v in scored.values())
 
 
 def test_loss_is_finite_and_decreases(first_run):
@@ -165,7 +175,7 @@ def test_resume_continues_and_matches_uninterrupted(first_run, tmp_path_factory)
     board = EventAccumulator(open_run(resumed_job).root.join("reports", "tensorboard").path)
     board.Reload()
     assert {"train/loss", "train/lr", "train/grad_norm", "train/real_tokens_per_s", "train/tokens_seen",
-            "eval/loss"} <= set(board.Tags()["scalars"])
+            "eval/loss", "eval/benchmark_loss"} <= set(board.Tags()["scalars"])
     evaluated = [m for m in metrics if "eval_loss" in m]
     assert [e.step for e in board.Scalars("eval/loss")] == [m["step"] for m in evaluated]
     assert [e.value for e in board.Scalars("eval/loss")] == pytest.approx([m["eval_loss"] for m in evaluated],

@@ -104,16 +104,20 @@ def read_reports(job) -> dict:
 
 
 def reference_micro_batch_digests(job) -> list[str]:
-    """Per micro-batch of the packed files (manifest order, read by pyarrow, not Ray Data): the digest the trainer
-    records, sha1 of the segments' document ids joined by '|' (raytrain.trainer.feed's trace convention)."""
+    """Per global micro-batch of the first two epochs: the packs the epoch's order (raytrain.trainer.feed.epoch_order,
+    train.seed, train.shuffle) puts there, read by pyarrow from the manifest's files, not by the trainer's reader,
+    as the digest the trainer records (sha1 of the segments' document ids joined by '|')."""
+    from raytrain.trainer.feed import epoch_order
+
     packed = open_run(job).root.join("data", "packed").path
     with open(os.path.join(packed, "_manifest.json")) as f:
         files = json.load(f)["files"]
     doc_ids = [d for name in files for d in pq.read_table(os.path.join(packed, name), columns=["doc_ids"])
                .column("doc_ids").to_pylist()]
-    mbs = job.train.micro_batch_size
-    return [hashlib.sha1("|".join(doc_ids[i:i + mbs]).encode()).hexdigest()[:16]
-            for i in range(0, len(doc_ids) - mbs + 1, mbs)]
+    mbs, per_epoch = job.train.micro_batch_size, len(doc_ids) // job.train.micro_batch_size
+    return [hashlib.sha1("|".join(doc_ids[p] for p in order[k * mbs:(k + 1) * mbs]).encode()).hexdigest()[:16]
+            for order in (epoch_order(len(doc_ids), e, job.train.seed, job.train.shuffle) for e in range(2))
+            for k in range(per_epoch)]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +147,7 @@ def pp2_dp2(ray_cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp1_dp2(pp2_dp2):
     src_job = pp2_dp2[0]
-    job = make_job(src_job.storage.root, "pp1-dp2", "train.pp=1", "train.dp=2")
+    job = make_job(src_job.storage.root, "pp1-dp2", "train.pp=1", "train.dp=2", "train.tracking=[mlflow,wandb]")
     copy_packed(src_job, job)
     summary = run_train(job)
     return job, summary, read_reports(job)
@@ -210,10 +214,10 @@ def test_replicas_consumed_disjoint_micro_batches_covering_every_index(topology,
     indices = [{i for i, _ in consumed} for consumed in per_replica]
     assert not set.intersection(*indices)
     assert set.union(*indices) == set(range(STEPS * tc.dp * tc.grad_accum_steps))
-    # each micro-batch is the one at that position of the fixed-order packed files, read independently by pyarrow
+    # each micro-batch holds the packs its epoch's order puts at that position, read independently by pyarrow
     for consumed in per_replica:
         for index, digest in consumed:
-            assert digest == reference[index % len(reference)]
+            assert digest == reference[index]
     # and replica r took the m consecutive micro-batches starting at step * dp * m + r * m
     for dp_rank, consumed in enumerate(per_replica):
         for step in range(STEPS):
@@ -229,9 +233,9 @@ def test_pipeline_split_does_not_change_the_math(pp2_dp2, pp1_dp2):
     assert losses_pp2 == pytest.approx(losses_pp1, rel=1e-5)
 
 
-def _token_losses(model, packed_dir: str, files: list[str], micro_batch_size: int, rows: int | None = None
+def _token_losses(model, packed_dir: str, files: list[str], micro_batch_size: int, packs=None
                   ) -> tuple[float, int, int]:
-    """`model` over the first `rows` packs (all: None) read by pyarrow, in micro-batches: summed token
+    """`model` over the packs numbered `packs` (all, in order: None) read by pyarrow, in micro-batches: summed token
     cross-entropy, target tokens, real (non-padding: segment id != -1) tokens."""
     import numpy as np
     import torch
@@ -240,8 +244,9 @@ def _token_losses(model, packed_dir: str, files: list[str], micro_batch_size: in
 
     columns = ["input_ids", "position_ids", "segment_ids", "labels"]
     table = pa.concat_tables([pq.read_table(os.path.join(packed_dir, name), columns=columns) for name in files])
-    rows = table.num_rows if rows is None else rows
-    tensors = [torch.from_numpy(np.array(table.column(c).to_pylist()[:rows], dtype=np.int64)) for c in columns]
+    packs = list(range(table.num_rows)) if packs is None else list(packs)
+    rows = len(packs)
+    tensors = [torch.from_numpy(np.array(table.column(c).to_pylist(), dtype=np.int64)[packs]) for c in columns]
     loss_sum, targets = 0.0, 0
     with torch.no_grad():
         for start in range(0, rows, micro_batch_size):
@@ -256,18 +261,22 @@ def _token_losses(model, packed_dir: str, files: list[str], micro_batch_size: in
 
 def test_first_step_loss_is_the_token_mean_over_the_global_batch(pp2_dp2):
     """pp=2 x dp=2: the step-1 loss equals a single-process forward of the seeded initial model over the step's
-    dp * m micro-batches (read from the packed files by pyarrow), summed over every target token and divided by
-    their count: token-weighted across micro-batches and replicas (raytrain.trainer.feed's loss_scale)."""
+    dp * m micro-batches (the first packs of epoch 0's order, read from the packed files by pyarrow), summed over
+    every target token and divided by their count: token-weighted across micro-batches and replicas
+    (raytrain.trainer.feed's loss_scale)."""
     from raytrain.pipeline.model import build_sequential
+    from raytrain.trainer.feed import epoch_order
 
     job, _summary, reports = pp2_dp2
     tc = job.train
     packed = open_run(job).root.join("data", "packed").path
     with open(os.path.join(packed, "_manifest.json")) as f:
-        files = json.load(f)["files"]
+        manifest = json.load(f)
+    files = manifest["files"]
     model = build_sequential(MistralConfig.preset(job.model.preset), seed=tc.seed).eval()
     rows = tc.dp * tc.grad_accum_steps * tc.micro_batch_size  # the global batch of step 1, in order
-    loss_sum, targets, real_tokens = _token_losses(model, packed, files, tc.micro_batch_size, rows)
+    order = epoch_order(manifest["num_packs"], 0, tc.seed, tc.shuffle)
+    loss_sum, targets, real_tokens = _token_losses(model, packed, files, tc.micro_batch_size, order[:rows])
     assert reports["metrics"][0]["step"] == 1
     assert reports["metrics"][0]["loss"] == pytest.approx(loss_sum / targets, rel=1e-5)
     # the step's counts, as the trainer reports them, are the global batch's (all replicas), not one replica's
@@ -302,3 +311,30 @@ def test_eval_loss_is_the_token_mean_over_the_validation_set(topology, request):
     evaluated = [m for m in reports["metrics"] if "eval_loss" in m]
     assert [m["step"] for m in evaluated] == [STEPS]  # train.eval_every=0: only at the end
     assert evaluated[0]["eval_loss"] == pytest.approx(reference, rel=1e-5)
+
+
+def test_mlflow_and_wandb_record_the_run_offline(pp1_dp2):
+    """train.tracking=[mlflow, wandb] through Ray's integrations, offline: MLflow's file store under reports/mlruns
+    holds the run with the config as params and every step's loss (read back by MLflow's client), and W&B's offline
+    run under reports/wandb ends with the last step's metrics in its summary."""
+    import glob
+
+    from mlflow.tracking import MlflowClient
+
+    job, _summary, reports = pp1_dp2
+    reports_dir = open_run(job).root.join("reports").path
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(f"file://{reports_dir}/mlruns")
+    (run,) = client.search_runs([client.get_experiment_by_name(job.storage.project).experiment_id])
+    assert run.data.params["train.dp"] == "2" and run.info.run_name == job.storage.run_name
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in history] == list(range(1, STEPS + 1))
+    assert [m.value for m in history] == pytest.approx([m["loss"] for m in reports["metrics"]])
+    assert client.get_metric_history(run.info.run_id, "eval_loss")[-1].step == STEPS
+
+    (offline_run,) = glob.glob(os.path.join(reports_dir, "wandb", "offline-run-*"))
+    assert glob.glob(os.path.join(offline_run, "*.wandb"))
+    with open(os.path.join(offline_run, "files", "wandb-summary.json")) as f:
+        summary = json.load(f)
+    assert summary["loss"] == pytest.approx(reports["metrics"][-1]["loss"])
+    assert summary["_step"] == STEPS

@@ -97,3 +97,13 @@ def test_config_hash_is_stable_and_sensitive():
     assert a.config_hash() == load_job_config(DEMO).config_hash()
     assert a.config_hash() != load_job_config(DEMO, ["train.lr=1e-4"]).config_hash()
     assert JobConfig().config_hash()
+
+
+def test_tracking_and_shuffle_settings_are_checked():
+    job = load_job_config(None, ["train.tracking=[mlflow, wandb]", "train.shuffle=false"])
+    assert job.train.tracking == ("mlflow", "wandb") and job.train.shuffle is False
+    assert job.flat_dict()["train.tracking"] == ["mlflow", "wandb"]
+    with pytest.raises(ConfigError, match="train.tracking.*'tensorboard'"):
+        load_job_config(None, ["train.tracking=[tensorboard]"])
+    with pytest.raises(ConfigError, match="train.wandb_mode"):
+        load_job_config(None, ["train.wandb_mode=cloud"])

@@ -130,10 +130,11 @@ def test_tokenize_and_pack_batch_shapes_and_content(version):
     out = tokenize_and_pack_batch(batch, version, seq_len, "drop")
 
     num_packs = len(out["doc_ids"])
-    assert set(out) == {"input_ids", "labels", "position_ids", "segment_ids", "doc_ids", "num_tokens"}
+    assert set(out) == {"input_ids", "labels", "position_ids", "segment_ids", "doc_ids", "num_tokens", "num_targets"}
     for key in ("input_ids", "labels", "position_ids", "segment_ids"):
         assert out[key].shape == (num_packs, seq_len) and out[key].dtype == np.int64
     assert out["num_tokens"].shape == (num_packs,) and out["num_tokens"].dtype == np.int64
+    assert (out["num_targets"] == (out["labels"] != -100).sum(axis=1)).all() and out["num_targets"].sum() > 0
     assert sorted(u for ids in out["doc_ids"] for u in ids.split(",")) == sorted(batch["uuid"])
 
     # Tokens equal mistral-common's own encoding of each conversation, in pack order.

@@ -40,7 +40,9 @@ def secret_patterns() -> dict[str, re.Pattern]:
 
 @pytest.fixture(scope="session")
 def pyproject_requirements() -> dict[str, Requirement]:
-    """pyproject.toml's [project].dependencies, keyed by canonical distribution name."""
+    """pyproject.toml's [project].dependencies and its `tracking` extra (the cluster images can log to MLflow /
+    W&B), keyed by canonical distribution name."""
     data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    reqs = [Requirement(line) for line in data["project"]["dependencies"]]
+    reqs = [Requirement(line) for line in [*data["project"]["dependencies"],
+                                           *data["project"]["optional-dependencies"]["tracking"]]]
     return {canonicalize_name(r.name): r for r in reqs}

@@ -7,6 +7,7 @@ import shutil
 import socket
 
 import mistral_common
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -259,6 +260,7 @@ def test_loss_is_token_weighted_over_the_global_batch(gloo_group, hf_dir):
     """Micro-batches with very uneven target counts, fed through the training feed (loss_scale): the engine's loss
     and gradients equal transformers' with num_items_in_batch = all targets of the step (sum / N, not a mean of
     per-micro-batch means)."""
+    from raytrain.trainer.feed import in_memory_packs
     from raytrain.trainer.feed import micro_batches as feed_micro_batches
 
     generator = torch.Generator().manual_seed(21)
@@ -281,8 +283,10 @@ def test_loss_is_token_weighted_over_the_global_batch(gloo_group, hf_dir):
     load_hf_into_stage(module, hf_dir)
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(), model_parameters=module.parameters())
     grads = capture_gradients(engine, module)
-    feed = feed_micro_batches(lambda epoch: iter(numpy_batches), start_position=0, micro_batches_per_epoch=2,
-                              dp_rank=0, dp=1, grad_accum_steps=GRAD_ACCUM)
+    counts, read = in_memory_packs({name: np.concatenate([b[name] for b in numpy_batches])
+                                    for name in numpy_batches[0]})  # written order: micro-batch 0, then 1
+    feed = feed_micro_batches(counts, read, micro_batch_size=MICRO_BATCH_SIZE, start_position=0, dp_rank=0, dp=1,
+                              grad_accum_steps=GRAD_ACCUM)
     loss = float(engine.train_batch(data_iter=feed))
 
     reference = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
@@ -330,6 +334,27 @@ def test_eval_loss_is_the_token_mean_over_the_whole_validation_set(gloo_group, h
                        for ids, labels in hf_batches)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert all(torch.equal(before[name], tensor) for name, tensor in stage_state(module).items())
+
+
+def test_greedy_generation_through_the_pipeline_equals_transformers_generate(gloo_group, hf_dir):
+    """StageEngine.greedy_generate (fixed-shape eval forwards, one token each, prompts of different lengths padded
+    in one micro-batch) gives transformers' greedy ``generate`` tokens for each prompt."""
+    from raytrain.pipeline.engine import StageEngine
+
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=generator).tolist() for n in (3, 7)]
+    module = build_pipeline_module(CFG, num_stages=1)
+    load_hf_into_stage(module, hf_dir)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(), model_parameters=module.parameters())
+    new = StageEngine(engine=engine, stage=0, dp_rank=0, num_stages=1).greedy_generate(
+        prompts, num_prompts=2, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, max_new_tokens=6, eos_id=-1,
+        src_rank=0)
+    reference = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    for prompt, tokens in zip(prompts, new, strict=True):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)
+        assert tokens == out[0, len(prompt):].tolist() and len(tokens) == 6
 
 
 def packed_micro_batches(num: int, seed: int = 7):
