@@ -34,15 +34,17 @@ module stays importable without the config's dependencies, for benchmarks/gpu_st
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
-                    sliding_window: int | None) -> torch.Tensor:
+                    sliding_window: int | None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: dense (B, 1, T, T) mask from ``model.attention_mask``, K/V repeated per query group, SDPA.
 
-    In: q (B, nh, T, D), k and v (B, nkv, T, D), segment_ids (B, T) int. Out: (B, nh, T, D).
+    In: q (B, nh, T, D), k and v (B, nkv, T, D), segment_ids (B, T) int, ``mask`` that mask when already built.
+    Out: (B, nh, T, D).
     """
-    # Imported here, not at the top: model.py imports this module, and attention_mask stays in model.py.
-    from raytrain.pipeline.model import attention_mask
+    if mask is None:
+        # Imported here, not at the top: model.py imports this module, and attention_mask stays in model.py.
+        from raytrain.pipeline.model import attention_mask
 
-    mask = attention_mask(segment_ids, sliding_window)  # (B, 1, T, T)
+        mask = attention_mask(segment_ids, sliding_window)  # (B, 1, T, T)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # repeat each kv head for its query group: (B, nkv, T, D) -> (B, nh, T, D)
         k = k.repeat_interleave(groups, dim=1)
@@ -160,34 +162,48 @@ def is_single_document(segment_ids: torch.Tensor, sliding_window: int | None) ->
     return bool((segment_ids == segment_ids[:, :1]).all())
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
-                     sliding_window: int | None, impl: str = "dense", block_mask: Any = None) -> torch.Tensor:
-    """Attention of a packed batch with the implementation ``impl`` ("dense" | "segment" | "flex").
+CAUSAL = "causal"
+"""``prepare_attention``'s answer when every row is one document the window does not cut: SDPA's causal path."""
 
-    "dense" is always the reference path. For "segment", and for "flex" without a prebuilt ``block_mask``, a batch
-    whose rows are single documents that the window does not cut takes SDPA's causal path directly. "flex" builds
-    its block mask here when none is given (once per call: correct, but pass one built per micro-batch).
-    In: q (B, nh, T, D), k and v (B, nkv, T, D), segment_ids (B, T). Out: (B, nh, T, D).
-    """
-    if impl == "dense":
-        return dense_attention(q, k, v, segment_ids, sliding_window)
+
+def prepare_attention(segment_ids: torch.Tensor, sliding_window: int | None, impl: str) -> Any:
+    """What ``packed_attention`` needs besides q, k, v, derived from the segment ids once per micro-batch (every
+    decoder layer of a stage reuses it, raytrain.pipeline.model): "dense" the (B, 1, T, T) mask; "segment" each
+    row's segment bounds; "flex" a BlockMask; ``CAUSAL`` for "segment" and "flex" when every row is one document
+    the window does not cut."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
-    seq_len = segment_ids.shape[1]
-    window_cuts = sliding_window is not None and seq_len > sliding_window
+    if impl == "dense":
+        from raytrain.pipeline.model import attention_mask
+
+        return attention_mask(segment_ids, sliding_window)
     if impl == "segment":
-        bounds = segment_bounds(segment_ids)  # the one host sync of this call
-        if not window_cuts and all(len(row) == 1 for row in bounds):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return _attend_segments(q, k, v, bounds, sliding_window)
-    if block_mask is None:
-        if is_single_document(segment_ids, sliding_window):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        block_mask = flex_block_mask(segment_ids, sliding_window)
-    return flex_attention_packed(q, k, v, block_mask)
+        window_cuts = sliding_window is not None and segment_ids.shape[1] > sliding_window
+        bounds = segment_bounds(segment_ids)  # the one host sync
+        return CAUSAL if not window_cuts and all(len(row) == 1 for row in bounds) else bounds
+    return CAUSAL if is_single_document(segment_ids, sliding_window) else flex_block_mask(segment_ids, sliding_window)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
+                     sliding_window: int | None, impl: str = "dense", prepared: Any = None) -> torch.Tensor:
+    """Attention of a packed batch with the implementation ``impl`` ("dense" | "segment" | "flex").
+
+    "dense" is always the reference path. ``prepared``: ``prepare_attention``'s result for these segment ids (for
+    "flex" a BlockMask from ``flex_block_mask`` also works); built here when not given.
+    In: q (B, nh, T, D), k and v (B, nkv, T, D), segment_ids (B, T). Out: (B, nh, T, D).
+    """
+    if prepared is None:
+        prepared = prepare_attention(segment_ids, sliding_window, impl)
+    if impl == "dense":
+        return dense_attention(q, k, v, segment_ids, sliding_window, mask=prepared)
+    if isinstance(prepared, str) and prepared == CAUSAL:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if impl == "segment":
+        return _attend_segments(q, k, v, prepared, sliding_window)
+    return flex_attention_packed(q, k, v, prepared)
 
 
 __all__ = [
     "ATTENTION_IMPLS", "dense_attention", "segment_bounds", "segment_attention", "flex_block_mask",
-    "flex_attention_packed", "is_single_document", "packed_attention",
+    "flex_attention_packed", "is_single_document", "packed_attention", "prepare_attention", "CAUSAL",
 ]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain.errors import ConfigError, RaytrainError
-from raytrain.pipeline.attention import ATTENTION_IMPLS, packed_attention
+from raytrain.pipeline.attention import ATTENTION_IMPLS, packed_attention, prepare_attention
 
 IGNORE_INDEX = -100
 
@@ -273,8 +275,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor,
-                impl: str = "dense", block_mask: Any = None) -> torch.Tensor:
-        """x (B, T, H), cos/sin (B, T, D), segment_ids (B, T) -> (B, T, H); block_mask only for impl="flex"."""
+                impl: str = "dense", prepared: Any = None) -> torch.Tensor:
+        """x (B, T, H), cos/sin (B, T, D), segment_ids (B, T) -> (B, T, H); ``prepared``: the attention's
+        per-micro-batch tables (raytrain.pipeline.attention.prepare_attention), built here when None."""
         batch_size, seq_len, _ = x.shape
         q = self.q_proj(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, D)
         k = self.k_proj(x).view(batch_size, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, D)
@@ -282,7 +285,7 @@ class Attention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = packed_attention(q, k, v, segment_ids, self.sliding_window, impl, block_mask)  # (B, nh, T, D)
+        out = packed_attention(q, k, v, segment_ids, self.sliding_window, impl, prepared)  # (B, nh, T, D)
         out = out.transpose(1, 2).reshape(batch_size, seq_len, self.num_heads * self.head_dim)  # (B, T, nh*D)
         return self.o_proj(out)
 
@@ -343,6 +346,35 @@ class EmbeddingPipe(nn.Module):
         return F.embedding(input_ids, self.weight), position_ids, segment_ids  # (B, T, H)
 
 
+class _MicroBatchTables:
+    """Tables derived from one micro-batch's position and segment ids (RoPE cos/sin, the attention's mask or
+    segment bounds), built by the first decoder layer of a stage and reused by the others.
+
+    The layers of a stage pass the same id tensors along (our layers return them unchanged, and DeepSpeed gives
+    every micro-batch fresh tensors: received activations are cloned), so the tables are keyed by the tensors'
+    identity through weak references: a freed tensor never matches, and a new micro-batch starts a new table.
+    Activation-checkpoint recomputation of an older micro-batch simply rebuilds them. One per process.
+    """
+
+    def __init__(self) -> None:
+        self._keys: tuple[weakref.ref, weakref.ref] | None = None
+        self._values: dict[Any, Any] = {}
+
+    def of(self, position_ids: torch.Tensor, segment_ids: torch.Tensor) -> _MicroBatchTables:
+        if self._keys is None or self._keys[0]() is not position_ids or self._keys[1]() is not segment_ids:
+            self._keys = (weakref.ref(position_ids), weakref.ref(segment_ids))
+            self._values = {}
+        return self
+
+    def get(self, name: Any, build: Callable[[], Any]) -> Any:
+        if name not in self._values:
+            self._values[name] = build()
+        return self._values[name]
+
+
+_MICRO_BATCH_TABLES = _MicroBatchTables()
+
+
 class DecoderLayerPipe(nn.Module):
     """Decoder layer ``layer_idx`` (0-based): pre-norm attention and SwiGLU MLP with residuals.
 
@@ -365,13 +397,19 @@ class DecoderLayerPipe(nn.Module):
         init_weights(self, cfg, seed, layer_idx + 1)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_mask: Any = None):
-        """``block_mask``: a FlexAttention BlockMask built once per micro-batch (attn_impl="flex" only; DeepSpeed
-        passes only ``inputs``, so without it the flex path builds one per call)."""
+        """``block_mask``: a prebuilt FlexAttention BlockMask (attn_impl="flex" only). DeepSpeed passes only
+        ``inputs``: then the stage's first layer builds the attention tables and RoPE once per micro-batch and the
+        stage's other layers reuse them (``_MicroBatchTables``)."""
         hidden, position_ids, segment_ids = inputs  # (B, T, H), (B, T), (B, T)
-        assert self.cfg.head_dim is not None
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
+        head_dim, window = self.cfg.head_dim, self.cfg.sliding_window
+        assert head_dim is not None
+        tables = _MICRO_BATCH_TABLES.of(position_ids, segment_ids)  # built by a stage's first layer, then reused
+        cos, sin = tables.get(("rope", hidden.dtype, hidden.device),
+                              lambda: rope_cos_sin(position_ids, head_dim, self.cfg.rope_theta, hidden.dtype))
+        prepared = block_mask if block_mask is not None else tables.get(
+            ("attention", self.attn_impl, window), lambda: prepare_attention(segment_ids, window, self.attn_impl))
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, segment_ids, self.attn_impl,
-                                         block_mask)
+                                         prepared)
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, position_ids, segment_ids
 
@@ -421,7 +459,16 @@ def build_sequential(cfg: MistralConfig, seed: int = 0, attn_impl: str = "dense"
     return nn.Sequential(*[cls(*args, **kwargs) for cls, args, kwargs in layer_constructors(cfg, seed, attn_impl)])
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+LOSS_CHUNK_TOKENS = 1024
+"""Tokens per cross-entropy chunk: at a 32,768-token vocabulary one fp32 chunk of logits is 128 MiB."""
+
+
+def _chunk_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                   chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
     """fp32 cross-entropy over tokens whose label is not -100: their mean, or their sum times a given scale.
 
     ``labels`` (B, T) are already next-token targets aligned with ``logits`` (B, T, V) (the packer shifted them);
@@ -430,14 +477,27 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tens
     token loss times ``loss_scale``, which DeepSpeed's accumulation and dp averaging turn into the mean over the
     global batch's target tokens. A batch with no target tokens gives 0 (not NaN), so one empty micro-batch does
     not poison the step.
+
+    Memory: the logits are upcast ``chunk_tokens`` tokens at a time, each chunk under non-reentrant activation
+    checkpointing, so neither the fp32 copy of the (B*T, V) logits nor cross-entropy's fp32 log-probabilities are
+    ever held whole (about 0.5 GB each per micro-batch at T = 4,096, V = 32,768); backward recomputes one chunk at
+    a time. Equal to the one-shot loss and gradients (tests/unit/pipeline/test_chunked_loss.py).
     """
     loss_scale = None
     if isinstance(labels, tuple | list):
         labels, loss_scale = labels
     vocab_size = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab_size).float()  # (B*T, V)
+    flat_logits = logits.reshape(-1, vocab_size)  # (B*T, V), the head's dtype
     flat_labels = labels.reshape(-1).to(flat_logits.device)  # (B*T,)
-    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    num_tokens = flat_labels.shape[0]
+    if num_tokens <= chunk_tokens or not torch.is_grad_enabled():
+        loss_sum = _chunk_loss_sum(flat_logits, flat_labels)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        loss_sum = sum(checkpoint(_chunk_loss_sum, flat_logits[i:i + chunk_tokens], flat_labels[i:i + chunk_tokens],
+                                  use_reentrant=False)
+                       for i in range(0, num_tokens, chunk_tokens))
     if loss_scale is not None:
         return loss_sum * loss_scale.to(loss_sum.device, torch.float32)
     num_targets = (flat_labels != IGNORE_INDEX).sum().clamp(min=1)
