@@ -289,7 +289,9 @@ class TrainConfig:
     partition_method: str = "type:DecoderLayerPipe"
     """How layers split across stages: 'type:DecoderLayerPipe' (by decoder layer), 'parameters' or 'uniform'."""
     activation_checkpoint_interval: int = 0
-    """Recompute activations every N layers in backward (0 = off)."""
+    """Recompute activations every N layers in backward (0 = off; 1 = every decoder layer)."""
+    activation_checkpoint_reentrant: bool = False
+    """False: DeepSpeed's non-reentrant checkpoint (torch's recommended form); True: its classic reentrant one."""
     use_gpu: bool = False
     """One GPU per worker (NCCL) instead of CPU workers (gloo)."""
     worker_cpus: float = 0.0

@@ -139,11 +139,12 @@ def init_distributed(backend: str) -> None:
 
 def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, pp: int, dp: int,
                        partition_method: str, activation_checkpoint_interval: int, seed: int,
-                       init_from: str = "", attn_impl: str = "dense") -> StageEngine:
+                       init_from: str = "", attn_impl: str = "dense",
+                       activation_checkpoint_reentrant: bool = False) -> StageEngine:
     topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     module = build_pipeline_module(model_cfg, pp, topology=topology, partition_method=partition_method,
                                    activation_checkpoint_interval=activation_checkpoint_interval, seed=seed,
-                                   attn_impl=attn_impl)
+                                   attn_impl=attn_impl, activation_checkpoint_reentrant=activation_checkpoint_reentrant)
     if init_from:
         from raytrain.pipeline.hf_io import load_hf_into_stage
 

@@ -12,6 +12,7 @@ import re
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.activation_checkpointing import checkpointing
 
 from raytrain.errors import ConfigError
 from raytrain.pipeline.model import (
@@ -88,15 +89,18 @@ def stage_parameter_names(cfg: MistralConfig, layer_range: tuple[int, int]) -> d
 
 def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
                           partition_method: str = DEFAULT_PARTITION_METHOD, activation_checkpoint_interval: int = 0,
-                          seed: int = 0, attn_impl: str = "dense") -> PipelineModule:
+                          seed: int = 0, attn_impl: str = "dense",
+                          activation_checkpoint_reentrant: bool = False) -> PipelineModule:
     """The Mistral PipelineModule for this process's stage (needs ``deepspeed.init_distributed`` first).
 
     Layers are LayerSpecs, so a process only allocates its own stage. Each layer draws its init from
     (seed, layer index), so the weights do not depend on ``num_stages`` or the partition. ``topology`` (a DeepSpeed
     ProcessTopology) overrides the default pipe x data layout and must have ``num_stages`` on its 'pipe' axis.
     ``attn_impl`` picks every decoder layer's attention kernel (raytrain.pipeline.attention).
-    Activation checkpointing only wraps decoder layers: DeepSpeed's reentrant checkpoint would cut the embedding off
-    from its gradient (its inputs are integer ids that cannot require grad).
+    Activation checkpointing (every ``activation_checkpoint_interval`` layers; 1 = each decoder layer) only wraps
+    decoder layers, with DeepSpeed's non-reentrant checkpoint (torch's recommended form: no re-entry into autograd,
+    inputs need not require grad) unless ``activation_checkpoint_reentrant``, DeepSpeed's classic reentrant one
+    (which would cut the embedding off from its gradient: its inputs are integer ids).
     """
     stage_layer_ranges(cfg, num_stages, partition_method)  # validates before any process-group work
     if topology is not None and topology.get_dim("pipe") != num_stages:
@@ -112,6 +116,8 @@ def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
         loss_fn=causal_lm_loss,
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
+        activation_checkpoint_func=(checkpointing.checkpoint if activation_checkpoint_reentrant
+                                    else checkpointing.non_reentrant_checkpoint),
         checkpointable_layers=[DecoderLayerPipe.__name__],
     )
 

@@ -54,6 +54,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     stage = build_stage_engine(model_cfg, loop_config["ds_config"], pp=tc.pp, dp=tc.dp,
                                partition_method=tc.partition_method,
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,
+                               activation_checkpoint_reentrant=tc.activation_checkpoint_reentrant,
                                seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl)
     assert (stage.stage, stage.dp_rank) == (topo.stage, topo.dp_rank), "DeepSpeed topology disagrees with ours"
 

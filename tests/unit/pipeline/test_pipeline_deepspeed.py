@@ -242,11 +242,14 @@ def test_export_names_the_missing_layer_file(trained, tmp_path):
         export_to_hf(trained["ckpt_tag_dir"], CFG, out)
 
 
-def test_activation_checkpointing_gives_the_same_gradients(gloo_group, hf_dir):
-    """Checkpointing decoder layers must not change the loss or cut any parameter off from its gradient."""
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(gloo_group, hf_dir, reentrant):
+    """Checkpointing every decoder layer (DeepSpeed's non-reentrant or reentrant checkpoint) must not change the
+    loss or cut any parameter off from its gradient."""
     results = []
     for interval in (0, 1):
-        module = build_pipeline_module(CFG, num_stages=1, activation_checkpoint_interval=interval)
+        module = build_pipeline_module(CFG, num_stages=1, activation_checkpoint_interval=interval,
+                                       activation_checkpoint_reentrant=reentrant)
         load_hf_into_stage(module, hf_dir)
         engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(),
                                                model_parameters=module.parameters())
