@@ -195,13 +195,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         print(f"[raytrain] rank {topo.world_rank} (stage {topo.stage}, replica {topo.dp_rank}) read "
               f"{read_stats.get('packs_read', 0)} of {counts.num_packs} packs, "
               f"{read_stats.get('bytes_read', 0) / 2**10:,.0f} KiB of Parquet this launch", flush=True)
-    if loop_config.get("local_reports_dir"):
+    stage_parameters = sum(p.numel() for p in stage.engine.module.parameters())
+    if loop_config.get("local_reports_dir") and stage_parameters <= PARAM_DIGEST_MAX_PARAMETERS:
         # Parameter digests per rank: data-parallel replicas of one stage must hold identical weights.
         digests = {name: hashlib.sha256(p.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
                    for name, p in stage.engine.module.named_parameters()}
         with open(os.path.join(loop_config["local_reports_dir"], f"param_digest_rank{topo.world_rank}.json"), "w",
                   encoding="utf-8") as f:
             json.dump({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank, "digests": digests}, f)
+
+
+PARAM_DIGEST_MAX_PARAMETERS = 50_000_000
+"""Stages above this many parameters write no end-of-run parameter digests (an fp32 CPU copy of each parameter:
+the tests' tiny models check dp replicas with them; a 7B stage would copy gigabytes for an audit no one reads)."""
 
 
 class _Samples:
@@ -259,16 +265,23 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     """Load the newest good checkpoint into this stage; returns its step (0 when starting fresh) and the step
     metrics its manifest recorded ({} when starting fresh).
 
-    Rank 0 alone cleans partial saves and verifies sizes + sha256 against the manifest (falling back to an older
-    checkpoint when configured), then tells every rank which step to load, so all stages load the same one.
+    Rank 0 cleans partial saves; every rank checks the sizes and hashes its share of the files against the manifest;
+    rank 0 decides (falling back to an older checkpoint when configured) and tells every rank which step to load,
+    so all stages load the same one.
     """
-    chosen: list[int | None] = [None]
-    if dist.get_rank() == 0:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
         removed = store.cleanup_partials()  # leftovers of a save that crashed before its commit
         if removed:
             print(f"[raytrain] removed {len(removed)} partial checkpoint(s): {removed}", flush=True)
-        latest = store.latest()
-        chosen[0] = store.verify(latest).step if latest is not None else None
+    dist.barrier()
+    latest = store.latest()
+    # every rank hashes its share of the files in parallel; rank 0 decides (and falls back, when configured)
+    problems: list[str | None] = [None] * world
+    dist.all_gather_object(problems, store.find_problem(latest, rank, world) if latest is not None else None)
+    chosen: list[int | None] = [None]
+    if rank == 0 and latest is not None:
+        chosen[0] = store.verify(latest, problem=next((p for p in problems if p), None)).step
     dist.broadcast_object_list(chosen, src=0)
     if chosen[0] is None:
         return 0, {}
@@ -289,13 +302,16 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
 
 def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConfig,
                      loop_config: dict[str, Any], metrics: dict[str, Any]) -> None:
-    """Every rank writes its shard into the step's staging dir; rank 0 commits after all have finished."""
+    """Every rank writes its shard into the step's staging dir and hashes its share of the files; rank 0 commits
+    (the manifest from the ranks' recorded sizes and hashes) after all have finished."""
     tc = job.train
     client_state = {"step": step, "data_position": data_position(step, tc.dp, tc.grad_accum_steps)}
     staging = store.staging_dir(step)
     stage.save(staging, client_state)
     store.upload(step, staging)
-    dist.barrier()  # every stage's files are in place before the manifest makes the checkpoint visible
+    dist.barrier()  # every stage's files are in place before they are hashed
+    store.hash_share(step, dist.get_rank(), dist.get_world_size())  # POSIX: each rank hashes + fsyncs a share
+    dist.barrier()  # every share is recorded before the manifest makes the checkpoint visible
     if dist.get_rank() == 0:
         store.commit(step, {
             "step": step, "data_position": client_state["data_position"], "metrics": metrics,

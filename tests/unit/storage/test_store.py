@@ -199,9 +199,20 @@ d = store.staging_dir(20)
 with open(os.path.join(d, "big.bin"), "wb") as f:
     f.write(b"x" * 4096)
     f.flush()
+with open(os.path.join(d, "other.bin"), "wb") as f:
+    f.write(b"y" * 100)
     if phase == "payload":
         print("writing", flush=True)
         time.sleep(600)
+if phase == "hashing":
+    # Stop while the ranks hash their shares: one sidecar may be written, the manifest is not.
+    import raytrain.checkpoint.store as module
+    def slow(loc, fsync):
+        print("writing", flush=True)
+        time.sleep(600)
+    store.hash_share(20, 0, 2)  # rank 0's share done
+    module._hash_file = slow
+    store.hash_share(20, 1, 2)
 if phase == "commit":
     # Stop inside commit: manifest written into the partial, not yet renamed into place.
     def hang(step):
@@ -212,7 +223,7 @@ if phase == "commit":
 """
 
 
-@pytest.mark.parametrize("phase", ["payload", "commit"])
+@pytest.mark.parametrize("phase", ["payload", "hashing", "commit"])
 def test_sigkill_mid_save_keeps_previous_checkpoint(run, phase):
     store = CheckpointStore(run)
     _, written = _save(store, 10)
@@ -245,3 +256,45 @@ def test_settings_validated(run):
         CheckpointStore(run, keep_last=0)
     with pytest.raises(RaytrainError, match="mode="):
         CheckpointStore(run, mode="best")
+
+
+def test_ranks_hash_their_shares_in_parallel_and_commit_reads_them(run, monkeypatch):
+    """Each of 3 ranks hashes (and fsyncs) its share of the staged files; commit builds the manifest from their
+    sidecars without hashing anything itself; the manifest equals hashlib's digests of the files."""
+    import raytrain.checkpoint.store as module
+
+    store = CheckpointStore(run)
+    written = _write_rank_files(store.staging_dir(30), 30, ranks=3)  # 6 files
+    hashed_by = {}
+    real = module._hash_file
+    for rank in range(3):
+        def counting(loc, fsync, rank=rank):
+            hashed_by.setdefault(rank, []).append((loc.name, fsync))
+            return real(loc, fsync)
+        monkeypatch.setattr(module, "_hash_file", counting)
+        assert store.hash_share(30, rank, 3) > 0
+    assert sorted(len(v) for v in hashed_by.values()) == [2, 2, 2]  # a third each
+    assert all(fsync for v in hashed_by.values() for _, fsync in v)  # each share flushed by its rank
+
+    def forbidden(loc, fsync):
+        raise AssertionError(f"commit hashed {loc.name} itself")
+    monkeypatch.setattr(module, "_hash_file", forbidden)
+    store.commit(30, {"metrics": {}})
+    files = store.latest().manifest["files"]
+    assert files == {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                     for rel, data in written.items()}
+    assert not [n for n in os.listdir(store.latest().local_path) if n.startswith(".raytrain-upload-")]
+
+
+def test_ranks_verify_their_shares_and_a_corrupt_file_is_named_by_its_owner(run):
+    store = CheckpointStore(run)
+    written = _save(store, 40)[1]
+    ckpt = store.latest()
+    assert [store.find_problem(ckpt, rank, 2) for rank in range(2)] == [None, None]
+    victim = sorted(written)[3]  # in rank 1's share (file i belongs to rank i % 2)
+    with open(os.path.join(ckpt.local_path, victim), "r+b") as f:
+        f.write(b"\0")  # same size, other content: only the hash can tell
+    problems = [store.find_problem(ckpt, rank, 2) for rank in range(2)]
+    assert problems[0] is None and victim in problems[1] and "sha256" in problems[1]
+    with pytest.raises(RaytrainError, match=victim):
+        store.verify(ckpt, problem=problems[1])
