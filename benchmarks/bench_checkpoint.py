@@ -1,0 +1,132 @@
+"""Checkpoint cost: training time lost per save for the `small` preset (~59M parameters) with pp = 2 on CPU, beside
+the time between saves at checkpoint_every = 200, and the same estimate for the Mistral-7B presets from the write
+and hash bandwidth measured here. Prints figures; never asserts.
+
+    python benchmarks/bench_checkpoint.py [--steps 4] [--saves 2] [--seq-len 128] [--every 200]
+
+Two processes (one per stage, a gloo group, no Ray) run raytrain's own pieces: build_stage_engine, the training
+feed, StageEngine.save, CheckpointStore.hash_share (each rank hashes and fsyncs its share of the files) and
+commit (rank 0, the manifest from the ranks' sidecars). A save stops training for its whole duration (DeepSpeed's
+save, the two barriers, the hashing, the commit), so the time lost per save is that duration; it is printed with
+the median step time, as a fraction of the time between saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# Mistral-7B presets (raytrain/pipeline/model.py): 7.24e9 parameters; bf16 weights (2 bytes) per stage, fp32
+# master weights + Adam moments (12 bytes) partitioned over dp by ZeRO-1.
+PARAMS_7B = 7.24e9
+LAYOUTS_7B = {"mistral7b-1node-8gpu (pp 4 x dp 2)": (4, 2), "mistral7b-2node-16gpu (pp 4 x dp 4)": (4, 4)}
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, root: str, result_path: str) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from bench_pipeline import join_gloo
+
+    from raytrain.checkpoint.store import CheckpointStore
+    from raytrain.config import TrainConfig
+    from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
+    from raytrain.pipeline.engine import build_stage_engine, init_distributed
+    from raytrain.pipeline.model import MistralConfig
+    from raytrain.storage import resolve
+    from raytrain.trainer.feed import in_memory_packs, micro_batches
+
+    torch.set_num_threads(1)
+    join_gloo(rank, 2, port)
+    init_distributed("gloo")
+    cfg = MistralConfig.preset("small")
+    tc = TrainConfig(pp=2, dp=1, micro_batch_size=1, grad_accum_steps=2, max_steps=1000, lr=1e-4, warmup_steps=1)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ds_config = derive_ds_config(load_ds_config(os.path.join(repo, "configs", "ds_config.json")), tc)
+    stage = build_stage_engine(cfg, ds_config, pp=2, dp=1, partition_method="type:DecoderLayerPipe",
+                               activation_checkpoint_interval=0, seed=0)
+    rng = np.random.default_rng(0)
+    n, t = 64, args.seq_len
+    ids = rng.integers(0, cfg.vocab_size, size=(n, t))
+    counts, read = in_memory_packs({"input_ids": ids, "position_ids": np.tile(np.arange(t), (n, 1)),
+                                    "segment_ids": np.zeros((n, t), dtype=np.int64),
+                                    "labels": np.concatenate([ids[:, 1:], np.full((n, 1), -100)], axis=1),
+                                    "doc_ids": [f"d{i}" for i in range(n)]})
+    feed = micro_batches(counts, read, micro_batch_size=1, start_position=0, dp_rank=0, dp=1, grad_accum_steps=2)
+    store = CheckpointStore(resolve(root), keep_last=1)
+    step_s, saves = [], []
+    step = 0
+    for _ in range(args.saves):
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            stage.train_batch(feed)
+            step_s.append(time.perf_counter() - t0)
+            step += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        staging = store.staging_dir(step)
+        stage.save(staging, {"step": step, "data_position": step * 2})
+        store.upload(step, staging)
+        t_written = time.perf_counter()
+        dist.barrier()
+        hashed = store.hash_share(step, rank, 2)
+        t_hashed = time.perf_counter()
+        dist.barrier()
+        if rank == 0:
+            store.commit(step, {"step": step, "metrics": {}})
+        dist.barrier()
+        t_done = time.perf_counter()
+        size = sum(e["size"] for e in store.latest().manifest["files"].values())
+        saves.append({"total_s": t_done - t0, "write_s": t_written - t0, "hash_s": t_hashed - t_written,
+                      "bytes_hashed": hashed, "checkpoint_bytes": size})
+    with open(f"{result_path}.rank{rank}", "w", encoding="utf-8") as f:
+        json.dump({"step_s": step_s, "saves": saves}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4, help="training steps between saves")
+    parser.add_argument("--saves", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--every", type=int, default=200, help="checkpoint_every to compare against")
+    args = parser.parse_args()
+    import torch.multiprocessing as mp
+    from bench_pipeline import _free_port
+
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
+        root, result = os.path.join(tmp, "run"), os.path.join(tmp, "result")
+        mp.start_processes(worker, args=(_free_port(), args, root, result), nprocs=2, join=True,
+                           start_method="spawn")
+        ranks = []
+        for rank in range(2):
+            with open(f"{result}.rank{rank}", encoding="utf-8") as f:
+                ranks.append(json.load(f))
+    step_s = statistics.median(ranks[0]["step_s"][1:] or ranks[0]["step_s"])  # the first step warms up
+    lost = [max(r["saves"][i]["total_s"] for r in ranks) for i in range(args.saves)]
+    lost_s = statistics.median(lost)
+    written = ranks[0]["saves"][0]["checkpoint_bytes"]  # both stages' files (the committed manifest)
+    write_bw = written / max(r["saves"][0]["write_s"] for r in ranks) / 2  # per rank: the two write side by side
+    hash_bw = sum(r["saves"][0]["bytes_hashed"] for r in ranks) / max(r["saves"][0]["hash_s"] for r in ranks) / 2
+    interval_s = args.every * step_s
+    print(f"small preset, pp=2, CPU: step {step_s:.2f} s (median), save {lost_s:.2f} s lost per save "
+          f"(saves: {[round(x, 2) for x in lost]} s; checkpoint {written / 2**20:.0f} MiB, written at "
+          f"{write_bw / 2**20:.0f} MiB/s and hashed at {hash_bw / 2**20:.0f} MiB/s per rank)")
+    print(f"  lost per save / time between saves at checkpoint_every={args.every}: {lost_s:.2f} / {interval_s:.0f} s "
+          f"= {100 * lost_s / interval_s:.2f}% (target <= 2%)")
+    for name, (pp, dp) in LAYOUTS_7B.items():
+        per_rank = PARAMS_7B * 2 / pp + PARAMS_7B * 12 / (pp * dp)
+        estimate = per_rank / write_bw + per_rank / hash_bw  # every rank writes and hashes about its own share
+        print(f"  7B estimate, {name}: {per_rank / 2**30:.1f} GiB per rank -> {estimate:.0f} s per save at this "
+              "machine's per-rank write and hash bandwidth (a parallel filesystem's differ; measure there)")
+
+
+if __name__ == "__main__":
+    main()
