@@ -211,23 +211,29 @@ def test_length_policy_counts_match_mistral_common(out):
     assert report["overall"]["rows_dropped"] == len(dropped)
 
 
-def test_scores_equal_sentence_transformers_cos_sim(out):
+def _check_cos_sim(out, rows, sentences: str, scores: str, question_scores: str, answer_scores: str) -> None:
+    """Each row's stored scores equal sentence_transformers.util.cos_sim of its sentences with its question and
+    final answer, combined with enrich.question_weight (to 1e-5)."""
     from sentence_transformers import SentenceTransformer, util
 
     from raytrain.enrich.relevance import default_model_path
 
     model = SentenceTransformer(default_model_path(), device="cpu")
     w = out.job.enrich.question_weight
-    rows = [r for r in out.enriched if r["context_sentences"] and not r["chunked_texts"]][:4]
     assert rows
     for r in rows:
-        sent = model.encode(r["context_sentences"], convert_to_tensor=True)
+        sent = model.encode(list(r[sentences]), convert_to_tensor=True)
         # the answer side embeds the final answer (after </think>): enrich.answer_text=final
         qa = model.encode([r["question"], final_answer(r["answer"])], convert_to_tensor=True)
         sims = util.cos_sim(sent, qa).numpy()  # (S, 2)
-        np.testing.assert_allclose(r["question_scores"], sims[:, 0], atol=1e-5)
-        np.testing.assert_allclose(r["answer_scores"], sims[:, 1], atol=1e-5)
-        np.testing.assert_allclose(r["sentence_scores"], w * sims[:, 0] + (1 - w) * sims[:, 1], atol=1e-5)
+        np.testing.assert_allclose(r[question_scores], sims[:, 0], atol=1e-5)
+        np.testing.assert_allclose(r[answer_scores], sims[:, 1], atol=1e-5)
+        np.testing.assert_allclose(r[scores], w * sims[:, 0] + (1 - w) * sims[:, 1], atol=1e-5)
+
+
+def test_scores_equal_sentence_transformers_cos_sim(out):
+    rows = [r for r in out.enriched if r["context_sentences"] and not r["chunked_texts"]][:4]
+    _check_cos_sim(out, rows, "context_sentences", "sentence_scores", "question_scores", "answer_scores")
 
 
 def test_enriched_conversations_tokenize_like_mistral_common(out):
@@ -322,21 +328,8 @@ def test_corpus_answering_sentence_retrieved_unrelated_not(out):
 
 
 def test_corpus_scores_equal_sentence_transformers_cos_sim(out):
-    from sentence_transformers import SentenceTransformer, util
-
-    from raytrain.enrich.relevance import default_model_path
-
-    model = SentenceTransformer(default_model_path(), device="cpu")
-    w = out.job.enrich.question_weight
-    rows = list(_corpus_rows(out).values())[:6]
-    assert rows
-    for r in rows:
-        sent = model.encode(list(r["corpus_sentences"]), convert_to_tensor=True)
-        qa = model.encode([r["question"], final_answer(r["answer"])], convert_to_tensor=True)
-        sims = util.cos_sim(sent, qa).numpy()  # (S, 2)
-        np.testing.assert_allclose(r["corpus_question_scores"], sims[:, 0], atol=1e-5)
-        np.testing.assert_allclose(r["corpus_answer_scores"], sims[:, 1], atol=1e-5)
-        np.testing.assert_allclose(r["corpus_scores"], w * sims[:, 0] + (1 - w) * sims[:, 1], atol=1e-5)
+    _check_cos_sim(out, list(_corpus_rows(out).values())[:6], "corpus_sentences", "corpus_scores",
+                   "corpus_question_scores", "corpus_answer_scores")
 
 
 def test_corpus_sentence_with_eval_item_never_trained(out):
