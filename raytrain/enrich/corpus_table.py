@@ -2,7 +2,7 @@
 
     documents (Parquet / JSONL) -> split into sentences (corpus.document_sentences) -> exact duplicates collapsed
     (the first (doc id, sentence index) keeps the text) -> embedded (relevance.embed_texts, the selection's
-    embedding path) -> sentences/part-*.parquet sorted by (doc_id, sentence_index), then _corpus.json (last).
+    embedding path) -> sentences/part-*.parquet (each sorted by doc_id, sentence_index), then _corpus.json (last).
 
 Columns: ``doc_id`` (string), ``sentence_index`` (int64), ``text``, ``embedding`` (list<float32>, unit). A later
 run whose corpus files and model hash to the same key finds ``_corpus.json`` and reads the table instead of
@@ -76,7 +76,9 @@ def build_table(spark: SparkSession, files: Sequence[CorpusFile], cfg: EnrichCon
                            T.StructField("embedding", T.ArrayType(T.FloatType()))])
     embedded = unique.mapInPandas(body, schema=schema)
     sentences = folder.join(SENTENCES)
-    embedded.orderBy("doc_id", "sentence_index").write.mode("overwrite").parquet(sentences.spark_uri)
+    # Sorted within each file only: a global orderBy samples its input first, which would run the embedding twice;
+    # load_corpus_index puts the table in document order on the driver anyway.
+    embedded.sortWithinPartitions("doc_id", "sentence_index").write.mode("overwrite").parquet(sentences.spark_uri)
     split.unpersist()
     written = sum(pq.ParquetFile(sentences.filesystem.open_input_file(sentences.join(n).path)).metadata.num_rows
                   for n in sentences.listdir() if n.endswith(".parquet"))
