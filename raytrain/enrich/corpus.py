@@ -73,45 +73,62 @@ def _corpus_files(spec: str, i: int, input_root: StorageLocation | None, s3_endp
     return [loc]
 
 
+CHECKED_RECORDS = 1_000
+"""JSONL records per file whose fields are checked on the driver (a record further on without them gives a
+document without sentences, counted in the report)."""
+
+
+def _sha256(loc: StorageLocation) -> str:
+    h = hashlib.sha256()
+    with loc.open_input() as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _check_file(loc: StorageLocation, id_field: str, text_field: str) -> CorpusFile:
-    """Hash the file and check its fields (Parquet: the footer's schema; JSONL: every record)."""
+    """Hash the file (streamed) and check its fields: Parquet from the footer's schema, JSONL on its first
+    CHECKED_RECORDS records (every line is counted)."""
     fmt = FORMATS[os.path.splitext(loc.name)[1].lower()]
     fix = (f"Fix: set enrich.corpus_id_field / enrich.corpus_text_field to the file's fields "
            f"(now {id_field!r} / {text_field!r}).")
     try:
-        data = loc.read_bytes()
-    except OSError as e:
-        raise RaytrainError(f"enrich.context_corpus: cannot read {loc.uri} ({e}). Fix: check the path and its "
-                            "permissions (s3: credentials and storage.s3_endpoint).") from e
-    sha = hashlib.sha256(data).hexdigest()
-    if fmt == "parquet":
-        import pyarrow as pa
-
-        try:
-            pf = pq.ParquetFile(pa.BufferReader(data))
-        except Exception as e:  # pyarrow raises ArrowInvalid and friends for a file that is not Parquet
-            raise RaytrainError(f"enrich.context_corpus: {loc.uri} is not a readable Parquet file ({e})") from e
-        names = pf.schema_arrow.names
-        missing = [f for f in (id_field, text_field) if f not in names]
-        if missing:
-            raise RaytrainError(f"enrich.context_corpus: {loc.uri} has no field(s) {missing} (it has {names}). {fix}")
-        return CorpusFile(loc, fmt, sha, pf.metadata.num_rows)
-    records = 0
-    for lineno, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RaytrainError(f"enrich.context_corpus: {loc.uri}:{lineno}: not valid JSON ({e.msg}). Fix: one "
-                                "JSON object per line.") from e
-        missing = [f for f in (id_field, text_field) if not isinstance(record, dict) or f not in record]
-        if missing:
-            have = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise RaytrainError(f"enrich.context_corpus: {loc.uri}:{lineno}: field(s) {missing} missing (record "
-                                f"has {have}). {fix}")
-        records += 1
-    return CorpusFile(loc, fmt, sha, records)
+        sha = _sha256(loc)
+        if fmt == "parquet":
+            with loc.filesystem.open_input_file(loc.path) as f:
+                try:
+                    pf = pq.ParquetFile(f)
+                except Exception as e:  # pyarrow raises ArrowInvalid and friends for a file that is not Parquet
+                    raise RaytrainError(f"enrich.context_corpus: {loc.uri} is not a readable Parquet file "
+                                        f"({e})") from e
+                names, rows = pf.schema_arrow.names, pf.metadata.num_rows
+            missing = [f for f in (id_field, text_field) if f not in names]
+            if missing:
+                raise RaytrainError(f"enrich.context_corpus: {loc.uri} has no field(s) {missing} (it has "
+                                    f"{names}). {fix}")
+            return CorpusFile(loc, fmt, sha, rows)
+        records = 0
+        with loc.open_input(text=True) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                records += 1
+                if records > CHECKED_RECORDS:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise RaytrainError(f"enrich.context_corpus: {loc.uri}:{lineno}: not valid JSON ({e.msg}). Fix: "
+                                        "one JSON object per line.") from e
+                missing = [k for k in (id_field, text_field) if not isinstance(record, dict) or k not in record]
+                if missing:
+                    have = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise RaytrainError(f"enrich.context_corpus: {loc.uri}:{lineno}: field(s) {missing} missing "
+                                        f"(record has {have}). {fix}")
+        return CorpusFile(loc, fmt, sha, records)
+    except (OSError, UnicodeDecodeError) as e:
+        raise RaytrainError(f"enrich.context_corpus: cannot read {loc.uri} ({e}). Fix: check the path, its "
+                            "permissions and encoding (UTF-8); on s3, the credentials and storage.s3_endpoint.") from e
 
 
 def check_corpus(specs: Sequence[str], id_field: str, text_field: str, input_root: StorageLocation | None = None,

@@ -59,6 +59,8 @@ def test_check_corpus_reads_jsonl_parquet_and_folders(tmp_path):
     ("extension", r"neither .parquet nor .jsonl"),
     ("bad_json", r"b.jsonl:1: not valid JSON"),
     ("empty_folder", r"holds no .parquet, .jsonl or .json files"),
+    ("not_parquet", r"b.parquet is not a readable Parquet file"),
+    ("not_utf8", r"cannot read .*b.jsonl .* Fix: check the path, its permissions and encoding"),
 ])
 def test_check_corpus_errors_name_the_path_and_fix(tmp_path, case, match):
     spec = str(tmp_path / "b.jsonl")
@@ -74,6 +76,11 @@ def test_check_corpus_errors_name_the_path_and_fix(tmp_path, case, match):
         spec = str(tmp_path / "b.csv")
     elif case == "bad_json":
         (tmp_path / "b.jsonl").write_text("{nope\n")
+    elif case == "not_parquet":
+        (tmp_path / "b.parquet").write_text("id,text\n1,x\n")
+        spec = str(tmp_path / "b.parquet")
+    elif case == "not_utf8":
+        (tmp_path / "b.jsonl").write_bytes(b'{"id": 1, "text": "\xff\xfe"}\n')
     elif case == "empty_folder":
         (tmp_path / "docs").mkdir()
         spec = str(tmp_path / "docs")
