@@ -131,6 +131,24 @@ class EnrichConfig:
     """Eval files (JSONL/Parquet/text) to decontaminate against; 'sample' uses the sample dataset's eval set."""
     decontam_ngram: int = 13
     """n-gram length for decontamination overlap."""
+    context_corpus: tuple[str, ...] = ()
+    """Document files or folders (Parquet or JSONL; local, file://, s3://) whose sentences become the context of
+    rows that have none: split, exact duplicates collapsed, embedded once with embedding_model (cached under the
+    run's data/corpus/ by the corpus and model hashes), searched per row with the selection's score (top_k,
+    min_score, question_weight). 'sample' = the sample dataset's corpus. Empty (default): off."""
+    corpus_id_field: str = "id"
+    """Field of a corpus record holding its document id (any type; compared as a string)."""
+    corpus_text_field: str = "text"
+    """Field of a corpus record holding its text."""
+    corpus_exact_max_sentences: int = 200_000
+    """Up to this many searchable corpus sentences the search is exact (blocked matrix products); above, an
+    approximate faiss HNSW index is built once and shipped to the executors, its recall@top_k against exact
+    search measured on a sample of rows and reported. 0 = always approximate. Measured (benchmarks/bench_corpus.py,
+    2-core machine): exact search over 100k sentences ran 277 rows/s (~3.6 ms a row) against ~20 ms to embed a
+    row's question and answer on one core; at 200k exact search adds about a third to a row's cost and its
+    broadcast reaches ~300 MB per executor, past which HNSW (3,000 rows/s at 100k) pays for its build."""
+    corpus_recall_sample: int = 256
+    """Rows whose exact and approximate results are compared for the reported recall@top_k."""
     spark_jars: tuple[str, ...] = ()
     """Extra jars for Spark (spark.jars). Empty: for s3:// paths the hadoop-aws + AWS SDK jars that
     `raytrain fetch-jars` put into ~/.cache/raytrain/jars (raytrain.enrich.jars)."""
@@ -149,6 +167,12 @@ class EnrichConfig:
         _require(self.embed_batch_size >= 1, "enrich.embed_batch_size", "must be >= 1")
         _require(self.system_prompt in SYSTEM_PROMPT_MODES, "enrich.system_prompt",
                  f"{self.system_prompt!r}: choose " + " or ".join(repr(m) for m in SYSTEM_PROMPT_MODES))
+        _require(bool(self.corpus_id_field.strip()), "enrich.corpus_id_field", "must name the document id field")
+        _require(bool(self.corpus_text_field.strip()), "enrich.corpus_text_field", "must name the text field")
+        _require(self.corpus_id_field != self.corpus_text_field, "enrich.corpus_text_field",
+                 "must differ from enrich.corpus_id_field")
+        _require(self.corpus_exact_max_sentences >= 0, "enrich.corpus_exact_max_sentences", "must be >= 0")
+        _require(self.corpus_recall_sample >= 1, "enrich.corpus_recall_sample", "must be >= 1")
         _require(self.answer_text in ANSWER_TEXTS, "enrich.answer_text",
                  f"{self.answer_text!r}: choose " + " or ".join(repr(m) for m in ANSWER_TEXTS))
 

@@ -221,6 +221,13 @@ def preflight(run: Run) -> None:
             for line in inputs.describe():
                 log.info("%s", line)
             log.info("inputs: %s", ", ".join(f"{k} {v['rows']} rows" for k, v in footers.items()))
+        corpus = [c for c in job.enrich.context_corpus if c != "sample"]  # 'sample' is written with the sample
+        if corpus:  # files, fields, emptiness: before Ray or Spark start
+            from raytrain.enrich.corpus import check_corpus
+
+            files = check_corpus(corpus, job.enrich.corpus_id_field, job.enrich.corpus_text_field,
+                                 s3_endpoint=job.storage.s3_endpoint or None)
+            log.info("context corpus: %d file(s), %d records", len(files), sum(f.records for f in files))
         find_java()  # Spark will run: fail now, not inside RayDP, when there is no Java
 
 

@@ -66,7 +66,8 @@ def answer_for_scoring(answer: str, mode: str) -> str:
     return final_answer(answer) if mode == "final" else answer
 
 
-def _prose(units: Sequence[str]) -> list[str]:
+def prose_units(units: Sequence[str]) -> list[str]:
+    """The units that are prose: not JSON, markup or code, at least three words."""
     return [u for u in units if not u.startswith(_NOT_PROSE_START) and len(u.split()) >= _MIN_PROSE_WORDS]
 
 
@@ -98,9 +99,9 @@ def candidate_sentences(messages: Sequence[dict], include_earlier_turns: bool = 
     last_user = last_user_index(messages)
     for m in messages[:last_user]:
         if m["role"] == "system":
-            system.extend(_prose(split_sentences(split_system_prompt(m["content"])[1])))
+            system.extend(prose_units(split_sentences(split_system_prompt(m["content"])[1])))
         elif include_earlier_turns:
-            earlier.extend(_prose(split_sentences(render_message_text(m))))
+            earlier.extend(prose_units(split_sentences(render_message_text(m))))
     return Candidates(system, earlier)
 
 

@@ -41,6 +41,8 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from raytrain.config import JobConfig
+from raytrain.enrich.corpus import check_corpus
+from raytrain.enrich.corpus_udfs import CORPUS_COLUMNS
 from raytrain.enrich.decontam import build_eval_index, eval_text, iter_eval_records
 from raytrain.enrich.inputs import discover_inputs, validate_inputs
 from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, merge_reasons, summary_text
@@ -76,7 +78,7 @@ class EvalSets:
 
 def load_eval_texts(eval_sets: tuple[str, ...], input_root: StorageLocation, s3_endpoint: str | None) -> EvalSets:
     """Read the eval files (paths or URIs; 'sample' = the input's eval/eval_set.jsonl); object-store files are
-    copied to a temp dir first because decontam.load_eval_sets reads local files."""
+    copied to a temp dir first because decontam.iter_eval_records reads local files."""
     texts: list[str] = []
     records: list[dict[str, Any] | str] = []
     sources: list[dict[str, Any]] = []
@@ -161,6 +163,22 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
              sum(len(v) for v in files.values()), ", ".join(f"{k}={v}" for k, v in rows_per_split.items()),
              len(evals.texts), len(eval_index), cfg.decontam_ngram, len(evals.sources))
 
+    corpus_files = check_corpus(cfg.context_corpus, cfg.corpus_id_field, cfg.corpus_text_field, input_root,
+                                job.storage.s3_endpoint or None) if cfg.context_corpus else None
+    corpus: dict[str, Any] = {}
+
+    def corpus_step(df):
+        from raytrain.enrich.corpus_table import ann_recall, ensure_table, load_corpus_index
+
+        t0 = time.perf_counter()
+        folder, meta, reused = ensure_table(spark, corpus_files, cfg, run_root)
+        index = load_corpus_index(folder, meta["key"], eval_index, cfg.decontam_ngram, cfg.corpus_exact_max_sentences)
+        recall = ann_recall(df, index, cfg) if index.ann is not None else None
+        corpus.update(table_uri=folder.uri, table=meta, reused=reused,
+                      sentences_embedded_this_run=0 if reused else meta["sentences"], index=index.stats,
+                      recall=recall, prepare_seconds=round(time.perf_counter() - t0, 2))
+        return steps.corpus_context(spark, df, index, eval_index, job)
+
     raw = steps.read_inputs(spark, {k: [loc.spark_uri for loc in v] for k, v in files.items()}, job.data.max_rows)
     chain = [
         lambda df: steps.derive(df, job),
@@ -169,6 +187,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         lambda df: steps.near_dedup(spark, df, job),
         lambda df: steps.decontaminate(spark, df, eval_index, job),
         lambda df: steps.select_context(df, job),
+        *([corpus_step] if corpus_files else []),
         lambda df: steps.tokenize_check(df, job),
     ]
     df, prev, n, counts, quarantined, step_stats = raw, None, rows_in, [], [], {}
@@ -184,7 +203,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         quarantined.append(step.quarantined)
 
     t0 = time.perf_counter()
-    out = steps.output_columns(df).orderBy("uuid")
+    out = steps.output_columns(df, CORPUS_COLUMNS if corpus_files else ()).orderBy("uuid")
     out.write.mode("overwrite").parquet(enriched.spark_uri)
     all_bad = quarantined[0]
     for q in quarantined[1:]:
@@ -245,6 +264,9 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         "enriched_uri": enriched.uri, "quarantine_uri": quarantine.uri, "manifest_uri": manifest_loc.uri,
         "summary_uri": run_root.join("reports", "enrich_summary.txt").uri,
     }
+    if corpus_files:
+        report["corpus"] = _corpus_report(corpus, steps.corpus_stats(spark.read.parquet(enriched.spark_uri)),
+                                          corpus_files, counts, cfg)
     log.info("enrich: report statistics computed (%.1fs)", time.perf_counter() - t0)
     report["seconds"] = round(time.perf_counter() - t_start, 2)
     manifest = {
@@ -262,6 +284,30 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     summary_loc.write_atomic(summary)
     log.info("enrich summary:\n%s", summary)
     return EnrichSession(EnrichResult(enriched=enriched, quarantine=quarantine, report=report), df)
+
+
+def _corpus_report(prepared: dict[str, Any], stats: dict[str, Any], files, counts: list[StepCounts], cfg
+                   ) -> dict[str, Any]:
+    """report["corpus"]: the files, the table (reused or embedded now, and how long that took), the eval filter,
+    the search method and its recall, per-split row paths, score distributions and the most-used documents."""
+    step = next(c for c in counts if c.step == "corpus_context")
+    table = prepared["table"]
+    return {
+        "files": [{"uri": f.loc.uri, "sha256": f.sha256, "records": f.records} for f in files],
+        "id_field": cfg.corpus_id_field, "text_field": cfg.corpus_text_field,
+        "table_uri": prepared["table_uri"], "key": table["key"], "reused": prepared["reused"],
+        "sentences_embedded_this_run": prepared["sentences_embedded_this_run"],
+        "documents": table["documents"], "documents_without_sentences": table["documents_without_sentences"],
+        "sentences_split": table["sentences_split"], "duplicates_collapsed": table["duplicates_collapsed"],
+        "sentences": table["sentences"], "embed_seconds": table["embed_seconds"],
+        "contaminated_removed": prepared["index"]["contaminated_removed"],
+        "contaminated": prepared["index"]["contaminated"], "searchable": prepared["index"]["searchable"],
+        "method": prepared["index"]["method"], "exact_max_sentences": cfg.corpus_exact_max_sentences,
+        "ann_build_seconds": prepared["index"]["ann_build_seconds"], "recall": prepared["recall"],
+        "prepare_seconds": prepared["prepare_seconds"],
+        "retrieve_seconds": round(step.seconds - prepared["prepare_seconds"], 2),
+        "top_k": cfg.top_k, "min_score": cfg.min_score, "question_weight": cfg.question_weight, **stats,
+    }
 
 
 def _footer_rows(loc: StorageLocation) -> tuple[list[str], int]:
@@ -282,7 +328,12 @@ def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLoc
 
     # Fail on bad inputs (and missing s3a jars) in seconds, before a JVM starts.
     validate_inputs(discover_inputs(input_root, job.data.splits))
-    configs = input_root.spark_conf | run_root.spark_conf | spark_jar_configs(job.enrich.spark_jars,
-                                                                               (input_root, run_root))
+    corpus_locs = [f.loc for f in check_corpus(job.enrich.context_corpus, job.enrich.corpus_id_field,
+                                               job.enrich.corpus_text_field, input_root,
+                                               job.storage.s3_endpoint or None)] if job.enrich.context_corpus else []
+    configs = input_root.spark_conf | run_root.spark_conf
+    for loc in corpus_locs:
+        configs |= loc.spark_conf
+    configs |= spark_jar_configs(job.enrich.spark_jars, (input_root, run_root, *corpus_locs))
     with spark_session(job.enrich, extra_configs=configs) as spark:
         return enrich_in_session(spark, job, input_root, run_root, eval_sets).result

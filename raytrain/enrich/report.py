@@ -155,6 +155,35 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(f"assistant turns with text and tool calls ({report['tokenizer']}, policy {twt['policy']}): "
                      f"text dropped in {twt['turns_text_dropped']} turns of {twt['rows']} kept rows "
                      f"({twt['chars_text_dropped']} characters)")
+    if "corpus" in report:
+        lines += ["", *_corpus_lines(report["corpus"])]
     lines += ["", f"enriched   {report['enriched_uri']}", f"quarantine {report['quarantine_uri']}",
               f"manifest   {report['manifest_uri']}"]
     return "\n".join(lines) + "\n"
+
+
+def _corpus_lines(c: dict[str, Any]) -> list[str]:
+    """The corpus section of the summary: table, eval filter, search, rows per path, scores, top documents."""
+    table = (f"reused (0 sentences embedded; built in {c['embed_seconds']:.1f} s by an earlier run)" if c["reused"]
+             else f"embedded {c['sentences_embedded_this_run']} sentences in {c['embed_seconds']:.1f} s")
+    recall = c.get("recall") or {}
+    search = (f"approximate (faiss HNSW, above {c['exact_max_sentences']} sentences; recall@{recall.get('k')} "
+              f"{recall.get('recall')} vs exact on {recall.get('rows')} rows; index built in "
+              f"{c['ann_build_seconds']:.1f} s)" if c["method"] == "approximate"
+              else f"exact (up to {c['exact_max_sentences']} sentences)")
+    lines = [f"context corpus ({len(c['files'])} file(s), {c['documents']} documents, key {c['key']}): "
+             f"{c['sentences_split']} sentences split, {c['duplicates_collapsed']} exact duplicates collapsed, "
+             f"{c['sentences']} in the table; {table}",
+             f"  removed as contaminated (an n-gram shared with the eval sets): {c['contaminated_removed']}; "
+             f"searchable {c['searchable']}; search {search}; retrieval {c['retrieve_seconds']:.1f} s",
+             f"  rows given corpus context: {c['rows_added']} of {c['rows']} (own context {c['rows_own_context']}, "
+             f"nothing >= min_score {c['min_score']}: {c['rows_below_min_score']}); sentences added "
+             f"{c['sentences_added']}, dropped at the block's eval check {c['sentences_dropped_at_block_check']}",
+             f"  scores of added sentences  {_fmt_dist(c['scores'])}",
+             f"  question / answer          {_fmt_dist(c['question'])} / {_fmt_dist(c['answer'])}"]
+    for split, d in c.get("per_split", {}).items():
+        lines.append(f"  {split:<13} added {d['rows_added']} of {d['rows']}  scores {_fmt_dist(d['scores'])}")
+    if c.get("top_documents"):
+        lines.append("  most-used documents: " + ", ".join(f"{d['doc_id']} ({d['sentences_added']} in {d['rows']} rows)"
+                                                          for d in c["top_documents"]))
+    return lines

@@ -1,7 +1,8 @@
 """The enrichment steps as Spark DataFrame transforms: each takes the working table and returns what it keeps and
 what it quarantines, so a job is a straight chain and every row leaves through exactly one door.
 
-    read -> derive -> license -> exact_dedup -> near_dedup -> decontaminate -> select_context -> tokenize_check
+    read -> derive -> license -> exact_dedup -> near_dedup -> decontaminate -> select_context
+         [-> corpus_context, with enrich.context_corpus] -> tokenize_check
 
 Per-batch row logic is in ``udfs.py`` (plain pandas, unit-tested); this module only wires it into Spark:
 schemas, windows, groupings, joins. Only the enrich stage imports pyspark.
@@ -163,6 +164,58 @@ def select_context(df: DataFrame, job: JobConfig) -> StepResult:
     selected = df.mapInPandas(body, schema=_WORK_SCHEMA + ", " + _SELECTION_SCHEMA)
     none = df.sparkSession.createDataFrame([], schema=", ".join(f"{c} string" for c in QUARANTINE_COLUMNS))
     return StepResult("select_context", selected, none)
+
+
+def corpus_context(spark: SparkSession, df: DataFrame, index: Any, eval_hashes: set[int], job: JobConfig
+                   ) -> StepResult:
+    """Context from the corpus (corpus_udfs.corpus_context_batch) for rows without context of their own: adds
+    corpus_udfs.CORPUS_COLUMNS, rebuilds messages_json. The CorpusIndex (embeddings, texts, the faiss index when
+    used) and the eval n-gram index are broadcast once. Quarantines none."""
+    from raytrain.enrich.corpus_udfs import CORPUS_SCHEMA, corpus_context_batch
+
+    cfg = job.enrich
+    shipped = spark.sparkContext.broadcast(index)
+    evals = spark.sparkContext.broadcast(udfs.build_sorted_index(eval_hashes))
+
+    def body(batches):
+        for pdf in batches:
+            yield corpus_context_batch(
+                pdf, index=shipped.value, eval_index=evals.value, ngram=cfg.decontam_ngram,
+                model_path=cfg.embedding_model, batch_size=cfg.embed_batch_size, top_k=cfg.top_k,
+                min_score=cfg.min_score, question_weight=cfg.question_weight, answer_text=cfg.answer_text,
+                num_threads=cfg.executor_cores)
+
+    found = df.mapInPandas(body, schema=_WORK_SCHEMA + ", " + _SELECTION_SCHEMA + ", " + CORPUS_SCHEMA)
+    none = df.sparkSession.createDataFrame([], schema=", ".join(f"{c} string" for c in QUARANTINE_COLUMNS))
+    return StepResult("corpus_context", found, none)
+
+
+def corpus_stats(df: DataFrame, top_documents: int = 10) -> dict[str, Any]:
+    """Over the enriched rows (with CORPUS_COLUMNS), overall and per split: rows per corpus path, distributions
+    of the kept sentences' combined / question / answer scores, sentences dropped at the block's eval check; and
+    the documents most used (sentences added from each)."""
+    from raytrain.enrich.corpus_udfs import CORPUS_PATHS
+
+    per_sentence = df.select("split", F.explode(F.arrays_zip(
+        "corpus_scores", "corpus_question_scores", "corpus_answer_scores")).alias("z")).select("split", "z.*")
+    scores = _by_split(per_sentence.rollup("split").agg(
+        *_agg(F.col("corpus_scores"), "s"), *_agg(F.col("corpus_question_scores"), "q"),
+        *_agg(F.col("corpus_answer_scores"), "a")).collect(),
+        lambda r: {"scores": _dist(r, "s"), "question": _dist(r, "q"), "answer": _dist(r, "a")})
+    rows = _by_split(df.rollup("split").agg(
+        F.count("*").alias("rows"), *(_count_if(F.col("corpus_path") == p, p) for p in CORPUS_PATHS),
+        F.sum(F.size("corpus_sentences")).alias("sentences_added"),
+        F.sum("corpus_dropped_for_eval").alias("dropped_for_eval")).collect(),
+        lambda r: {"rows": int(r["rows"]), **{f"rows_{p}": int(r[p] or 0) for p in CORPUS_PATHS},
+                   "sentences_added": int(r["sentences_added"] or 0),
+                   "sentences_dropped_at_block_check": int(r["dropped_for_eval"] or 0)})
+    docs = [{"doc_id": r["doc_id"], "sentences_added": int(r["count"]), "rows": int(r["rows"])} for r in
+            df.select("uuid", F.explode("corpus_doc_ids").alias("doc_id")).groupBy("doc_id")
+            .agg(F.count("*").alias("count"), F.countDistinct("uuid").alias("rows"))
+            .orderBy(F.desc("count"), "doc_id").limit(top_documents).collect()]
+    empty = {"scores": {"count": 0}, "question": {"count": 0}, "answer": {"count": 0}}
+    return {**rows["overall"], **(scores["overall"] or empty), "top_documents": docs,
+            "per_split": {k: {**v, **scores["per_split"].get(k, empty)} for k, v in rows["per_split"].items()}}
 
 
 def tokenize_check(df: DataFrame, job: JobConfig) -> StepResult:

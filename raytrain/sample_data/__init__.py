@@ -7,6 +7,8 @@ publishes the real one (tool_calling's files are ``tool-*``):
                    math-00000-of-00001.parquet, stem-00000-of-00001.parquet, tool-00000-of-00001.parquet
     <out_dir>/eval/eval_set.jsonl          the eval set to decontaminate against ({"id", "question", "answer"})
     <out_dir>/planted.json                 the answer key: every planted row, by split, file, row in file, uuid
+    <out_dir>/corpus/documents.jsonl       a small document corpus for enrich.context_corpus=[sample], with its
+                                           answer key corpus/planted.json (raytrain.sample_data.corpus)
 
 Rows (schema ``NEMOTRON_V1_SCHEMA``) look like the real ones: reasoning "on" rows end in an assistant turn
 ``<think>\\n<trace>\\n</think>\\n\\n<answer>``, "off" rows carry no trace; system prompts are often absent or
@@ -48,6 +50,8 @@ import pyarrow.parquet as pq
 
 from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA, SPLITS
 from raytrain.errors import RaytrainError
+from raytrain.sample_data.corpus import KEY as CORPUS_KEY
+from raytrain.sample_data.corpus import load_corpus_key, write_sample_corpus
 from raytrain.sample_data.planted import _REASONS, _eval_items, _split_rows
 from raytrain.sample_data.rows import _Gen
 from raytrain.sample_data.spec import (
@@ -93,6 +97,8 @@ __all__ = [
     "main",
     "shard_names",
     "write_sample_dataset",
+    "write_sample_corpus",
+    "load_corpus_key",
 ]
 
 
@@ -144,6 +150,8 @@ def write_sample_dataset(out_dir: str, seed: int = 0, rows_per_split: int = DEFA
     with open(planted_path, "w", encoding="utf-8") as f:
         json.dump(planted, f, indent=1, sort_keys=True)
     num_bytes += os.path.getsize(eval_path) + os.path.getsize(planted_path)
+    corpus_path = write_sample_corpus(out_dir, split_files, eval_path, seed=seed)  # enrich.context_corpus=[sample]
+    num_bytes += os.path.getsize(corpus_path) + os.path.getsize(os.path.join(os.path.dirname(corpus_path), CORPUS_KEY))
     return SampleManifest(out_dir, seed, rows_per_split, size_scale, split_files, eval_path, planted_path, num_bytes)
 
 

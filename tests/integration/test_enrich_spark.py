@@ -18,7 +18,7 @@ from raytrain.enrich.context import context_block, final_answer, is_toggle_line
 from raytrain.enrich.job import MANIFEST, run_enrich
 from raytrain.errors import RaytrainError
 from raytrain.runner import Run
-from raytrain.sample_data import load_planted, write_sample_dataset
+from raytrain.sample_data import load_corpus_key, load_planted, write_sample_dataset
 from raytrain.storage import resolve
 
 DERIVE_REASONS = ("missing_uuid", "missing_messages", "bad_role", "undecodable_text", "empty_answer", "too_long")
@@ -168,8 +168,9 @@ def test_reasoning_toggles_train_verbatim_like_mistral_common(out):
         ref = [SystemMessage(content=system[0])]
         for i, m in enumerate(original[1:], start=1):
             text = m["content"]
-            if i == last_user and row["kept_sentences"]:
-                text = context_block(row["kept_sentences"]) + "\n\n" + text
+            added = list(row["kept_sentences"]) or list(row["corpus_sentences"])  # own context, else the corpus's
+            if i == last_user and added:
+                text = context_block(added) + "\n\n" + text
             ref.append(UserMessage(content=text) if m["role"] == "user" else AssistantMessage(content=text))
         want = tokenizer.encode_chat_completion(ChatCompletionRequest(messages=ref)).tokens
         got = tokenize_conversation(json.loads(row["messages_json"]), tokenizer, verify=False).input_ids
@@ -210,23 +211,29 @@ def test_length_policy_counts_match_mistral_common(out):
     assert report["overall"]["rows_dropped"] == len(dropped)
 
 
-def test_scores_equal_sentence_transformers_cos_sim(out):
+def _check_cos_sim(out, rows, sentences: str, scores: str, question_scores: str, answer_scores: str) -> None:
+    """Each row's stored scores equal sentence_transformers.util.cos_sim of its sentences with its question and
+    final answer, combined with enrich.question_weight (to 1e-5)."""
     from sentence_transformers import SentenceTransformer, util
 
     from raytrain.enrich.relevance import default_model_path
 
     model = SentenceTransformer(default_model_path(), device="cpu")
     w = out.job.enrich.question_weight
-    rows = [r for r in out.enriched if r["context_sentences"] and not r["chunked_texts"]][:4]
     assert rows
     for r in rows:
-        sent = model.encode(r["context_sentences"], convert_to_tensor=True)
+        sent = model.encode(list(r[sentences]), convert_to_tensor=True)
         # the answer side embeds the final answer (after </think>): enrich.answer_text=final
         qa = model.encode([r["question"], final_answer(r["answer"])], convert_to_tensor=True)
         sims = util.cos_sim(sent, qa).numpy()  # (S, 2)
-        np.testing.assert_allclose(r["question_scores"], sims[:, 0], atol=1e-5)
-        np.testing.assert_allclose(r["answer_scores"], sims[:, 1], atol=1e-5)
-        np.testing.assert_allclose(r["sentence_scores"], w * sims[:, 0] + (1 - w) * sims[:, 1], atol=1e-5)
+        np.testing.assert_allclose(r[question_scores], sims[:, 0], atol=1e-5)
+        np.testing.assert_allclose(r[answer_scores], sims[:, 1], atol=1e-5)
+        np.testing.assert_allclose(r[scores], w * sims[:, 0] + (1 - w) * sims[:, 1], atol=1e-5)
+
+
+def test_scores_equal_sentence_transformers_cos_sim(out):
+    rows = [r for r in out.enriched if r["context_sentences"] and not r["chunked_texts"]][:4]
+    _check_cos_sim(out, rows, "context_sentences", "sentence_scores", "question_scores", "answer_scores")
 
 
 def test_enriched_conversations_tokenize_like_mistral_common(out):
@@ -290,3 +297,120 @@ def test_schema_error_names_column_and_file(out, tmp_path):
         run_enrich(job, resolve(str(tmp_path)), resolve(str(tmp_path / "run")))
     assert str(path) in str(e.value)
 
+
+
+# ---- context from a corpus (enrich.context_corpus=[sample] in the demo config) ------------------------------------
+def _corpus_rows(out) -> dict:
+    return {r["uuid"]: r for r in out.enriched if r["corpus_path"] == "added"}
+
+
+def test_corpus_answering_sentence_retrieved_unrelated_not(out):
+    """The sample corpus has exactly one document answering each of its rows: that sentence reaches the row's
+    context block (document order, delimited), unrelated documents reach no row, rows with their own context are
+    not searched, and every row's path is one of three."""
+    key = load_corpus_key(out.sample.out_dir)
+    by_uuid = {r["uuid"]: r for r in out.enriched}
+    answered = [(k, by_uuid[k["uuid"]]) for k in key["answered"] if k["uuid"] in by_uuid]
+    assert len(answered) >= 10
+    for k, row in answered:
+        assert row["corpus_path"] == "added" and k["sentence"] in row["corpus_sentences"], (k, row["corpus_sentences"])
+        assert k["doc_id"] in row["corpus_doc_ids"]
+        pairs = list(zip(row["corpus_doc_ids"], row["corpus_sentence_indices"], strict=True))
+        assert pairs == sorted(pairs) and len(pairs) <= out.job.enrich.top_k
+        assert min(row["corpus_scores"]) >= out.job.enrich.min_score
+        trained = json.loads(row["messages_json"])
+        assert trained[_last_user(trained)]["content"].startswith(context_block(row["corpus_sentences"]) + "\n\n")
+    unrelated = {s for d in key["unrelated"] for s in d["sentences"]}
+    assert not [s for r in out.enriched for s in r["corpus_sentences"] if s in unrelated]
+    assert all(not r["corpus_sentences"] for r in out.enriched if r["context_sentences"])
+    assert {r["corpus_path"] for r in out.enriched} <= {"own_context", "added", "below_min_score"}
+    assert {r["corpus_path"] for r in out.enriched if r["context_sentences"]} == {"own_context"}
+
+
+def test_corpus_scores_equal_sentence_transformers_cos_sim(out):
+    _check_cos_sim(out, list(_corpus_rows(out).values())[:6], "corpus_sentences", "corpus_scores",
+                   "corpus_question_scores", "corpus_answer_scores")
+
+
+def test_corpus_sentence_with_eval_item_never_trained(out):
+    key = load_corpus_key(out.sample.out_dir)
+    (leak,) = key["contaminated"]
+    eval_item = json.loads(open(out.sample.eval_path, encoding="utf-8").readline())
+    assert leak["eval_id"] == eval_item["id"]
+    for r in out.enriched:
+        assert leak["sentence"] not in r["messages_json"] and eval_item["question"] not in r["messages_json"]
+        assert leak["sentence"] not in r["corpus_sentences"]
+    corpus = out.report["corpus"]
+    assert corpus["contaminated_removed"] >= 1
+    assert any(c["doc_id"] == leak["doc_id"] for c in corpus["contaminated"])
+
+
+def test_corpus_rows_tokenize_like_mistral_common(out):
+    """Token ids of rows given corpus context equal mistral-common's encoding of their final messages."""
+    tokenizer = load_tokenizer(out.job.dataset.tokenizer)
+    checked = 0
+    for r in _corpus_rows(out).values():
+        messages = json.loads(r["messages_json"])
+        if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            continue
+        ref = [SystemMessage(content=m["content"]) if m["role"] == "system" else UserMessage(content=m["content"])
+               if m["role"] == "user" else AssistantMessage(content=m["content"]) for m in messages]
+        want = tokenizer.encode_chat_completion(ChatCompletionRequest(messages=ref)).tokens
+        got = tokenize_conversation(messages, tokenizer, verify=False).input_ids
+        assert got == want and len(got) == r["num_tokens"], r["uuid"]
+        checked += 1
+    assert checked >= 5
+
+
+def test_corpus_report(out):
+    corpus, key = out.report["corpus"], load_corpus_key(out.sample.out_dir)
+    assert corpus["method"] == "exact" and corpus["recall"] is None and not corpus["reused"]
+    assert corpus["sentences_embedded_this_run"] == corpus["sentences"] > 0
+    # the boilerplate sentence closes every answering document: collapsed to one
+    assert corpus["duplicates_collapsed"] >= len(key["answered"]) - 1
+    assert corpus["searchable"] == corpus["sentences"] - corpus["contaminated_removed"]
+    by_split: dict = {}
+    for r in out.enriched:
+        by_split.setdefault(r["split"], {"own_context": 0, "added": 0, "below_min_score": 0})[r["corpus_path"]] += 1
+    for split, paths in by_split.items():
+        got = corpus["per_split"][split]
+        assert {p: got[f"rows_{p}"] for p in paths} == paths
+        assert got["rows"] == sum(paths.values())
+    assert corpus["rows_added"] == len(_corpus_rows(out)) and corpus["scores"]["count"] == corpus["sentences_added"]
+    used: dict = {}
+    for r in out.enriched:
+        for d in r["corpus_doc_ids"]:
+            used[d] = used.get(d, 0) + 1
+    assert [(d["doc_id"], d["sentences_added"]) for d in corpus["top_documents"]] == \
+        sorted(used.items(), key=lambda kv: (-kv[1], kv[0]))[:10]
+    summary = out.run_root.join("reports", "enrich_summary.txt").read_text()
+    assert "context corpus" in summary and "removed as contaminated" in summary and "most-used documents" in summary
+
+
+def test_corpus_table_reused_and_approximate_search_equals_exact(out, tmp_path):
+    """A second run with the same corpus and model reads the embedded table (same files, nothing embedded) and,
+    told to search approximately above 10 sentences, builds the faiss index: recall@k 1.0 on this small corpus,
+    and the rows get the same corpus sentences as the exact search gave them."""
+    import shutil
+
+    table = out.report["corpus"]["table_uri"].replace("file://", "")
+    run_root = tmp_path / "run2"
+    shutil.copytree(out.run_root.join("data", "corpus").path, run_root / "data" / "corpus")  # the same run folder
+    before = {p: os.stat(os.path.join(dp, p)).st_mtime_ns for dp, _, fs in os.walk(run_root / "data" / "corpus")
+              for p in fs}
+    job = load_job_config("configs/demo.yaml", ["data.splits=[chat]", "data.max_rows=24", "enrich.num_partitions=1",
+                                                "enrich.corpus_exact_max_sentences=10"])
+    result = run_enrich(job, resolve(out.sample.out_dir), resolve(str(run_root)), eval_sets=(out.sample.eval_path,))
+    corpus = result.report["corpus"]
+    assert corpus["reused"] and corpus["sentences_embedded_this_run"] == 0
+    assert os.path.basename(corpus["table_uri"]) == os.path.basename(table)
+    after = {p: os.stat(os.path.join(dp, p)).st_mtime_ns for dp, _, fs in os.walk(run_root / "data" / "corpus")
+             for p in fs}
+    assert after == before  # the table's files untouched: not re-embedded, not rewritten
+    assert corpus["method"] == "approximate" and corpus["recall"]["rows"] > 0 and corpus["recall"]["recall"] == 1.0
+    first = {r["uuid"]: r for r in out.enriched}
+    second = [r for r in pq.read_table(result.enriched.path).to_pylist() if r["uuid"] in first]
+    assert [r for r in second if r["corpus_sentences"]]
+    for r in second:
+        assert r["corpus_sentences"] == first[r["uuid"]]["corpus_sentences"], r["uuid"]
+        np.testing.assert_allclose(r["corpus_scores"], first[r["uuid"]]["corpus_scores"], atol=1e-6)

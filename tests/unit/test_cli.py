@@ -92,6 +92,17 @@ def test_input_folder_without_dataset_files_exits_1_before_starting_ray(tmp_path
     assert not (root / "ci").exists(), "the run folder was created: the command got past preflight"
 
 
+def test_corpus_without_its_text_field_exits_1_before_starting_ray(tmp_path):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "body": "A sentence about leases."}) + "\n")
+    root = tmp_path / "runs"
+    out = cli("run", "configs/demo.yaml", f"enrich.context_corpus=[{corpus}]", f"storage.root={root}",
+              "storage.user=ci")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert str(corpus) in out.stderr and "['text'] missing" in out.stderr and "enrich.corpus_text_field" in out.stderr
+    assert_no_ray_and_no_traceback(out)
+
+
 def test_ds_config_batch_mismatch_exits_2(tmp_path):
     with open(os.path.join(REPO, "configs", "ds_config.json")) as f:
         ds = json.load(f)

@@ -81,3 +81,26 @@ def test_summary_text_per_split_lengths_context_and_inputs():
     assert "length policy (drop, seq_len 1024)" in text and "inputs: hub layout at file:///d" in text
     assert "code: missing shards code-00001-of-00002.parquet" in text
     assert "given a context block (a sentence at or above min_score 0.4): 7" in text
+
+
+def test_summary_text_corpus_section():
+    _, report = _report()
+    dist = {"count": 4, "min": 0.41, "p50": 0.5, "p90": 0.6, "p99": 0.62, "max": 0.63}
+    corpus = {"files": [{"uri": "s3://b/docs.jsonl"}], "documents": 12, "key": "k0", "sentences_split": 60,
+              "duplicates_collapsed": 11, "sentences": 49, "reused": False, "sentences_embedded_this_run": 49,
+              "embed_seconds": 3.2, "contaminated_removed": 1, "searchable": 48, "method": "approximate",
+              "exact_max_sentences": 10, "recall": {"k": 3, "recall": 1.0, "rows": 20}, "ann_build_seconds": 0.1,
+              "retrieve_seconds": 1.5, "rows": 70, "rows_added": 4, "rows_own_context": 50,
+              "rows_below_min_score": 16, "min_score": 0.4, "sentences_added": 4,
+              "sentences_dropped_at_block_check": 0, "scores": dist, "question": dist, "answer": dist,
+              "per_split": {"chat": {"rows": 70, "rows_added": 4, "scores": dist}},
+              "top_documents": [{"doc_id": "doc-7", "sentences_added": 3, "rows": 2}]}
+    report["corpus"] = corpus
+    text = summary_text(report)
+    for needle in ("context corpus (1 file(s), 12 documents", "11 exact duplicates collapsed",
+                   "embedded 49 sentences in 3.2 s", "removed as contaminated (an n-gram shared with the eval sets): 1",
+                   "recall@3 1.0 vs exact on 20 rows", "rows given corpus context: 4 of 70", "doc-7 (3 in 2 rows)",
+                   "chat          added 4 of 70"):
+        assert needle in text, needle
+    corpus.update(reused=True, sentences_embedded_this_run=0, method="exact", recall=None)
+    assert "reused (0 sentences embedded" in summary_text(report) and "search exact" in summary_text(report)
