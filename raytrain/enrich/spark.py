@@ -80,8 +80,13 @@ def find_java() -> JavaInstall:
     )
 
 
-def spark_configs(cfg: EnrichConfig) -> dict[str, str]:
-    """Spark settings for RayDP on Ray; pure, so tested without a JVM."""
+LOG4J2_PROPERTIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
+"""The Spark driver JVM's log4j2 settings: warnings and errors to stderr (see the file)."""
+
+
+def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str, str]:
+    """Spark settings for RayDP on Ray; pure, so tested without a JVM. ``console_progress``: Spark's stage
+    progress bar (carriage returns; off when the console is captured into a log file)."""
     return {
         "spark.executor.extraJavaOptions": JAVA_OPTIONS,
         "spark.driver.extraJavaOptions": JAVA_OPTIONS,
@@ -91,7 +96,11 @@ def spark_configs(cfg: EnrichConfig) -> dict[str, str]:
         "spark.sql.shuffle.partitions": str(cfg.num_partitions),
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "256",
-        "spark.ui.showConsoleProgress": "true",
+        "spark.ui.showConsoleProgress": "true" if console_progress else "false",
+        # RayDP passes this as -Dlog4j2.configurationFile to the driver JVM (its default names a file that is not
+        # there). The JVMs inside Ray keep RayDP's own log4j2.xml: it writes the raydp-java-worker-*.log files in
+        # Ray's log folder, where executor failures are diagnosed (FACTS.md).
+        "spark.log4j.config.file.name": LOG4J2_PROPERTIES,
         "spark.sql.session.timeZone": "UTC",
         # Hadoop S3A picks credentials from the usual AWS env/instance chain.
         "spark.hadoop.fs.s3a.aws.credentials.provider":
@@ -111,7 +120,9 @@ def spark_session(cfg: EnrichConfig, app_name: str = "raytrain-enrich",
     # Spark's Python workers start `python3` from PATH unless told: use this interpreter (FACTS.md).
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    configs = spark_configs(cfg)
+    from raytrain.console import framework_output_captured
+
+    configs = spark_configs(cfg, console_progress=not framework_output_captured())
     configs["spark.pyspark.python"] = sys.executable
     configs["spark.executorEnv.PYSPARK_PYTHON"] = sys.executable
     configs.update(extra_configs or {})
