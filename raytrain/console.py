@@ -6,7 +6,8 @@ Spark driver JVM and C++ code writing to stderr land there too) and keeps a dupl
 as the console. raytrain's log records reach the console through a handler on the ``raytrain`` logger; lines that
 Ray forwards from its workers (``log_to_driver``) reach the console only when they carry ``[raytrain]`` (the
 trainer's step, eval and checkpoint lines); all of them are also in the log file. Under a terminal rich styles the
-lines; without one (``ray job submit``, a pipe) they are plain text with no control characters. ``-v`` captures
+lines and keeps a status line (spinner and the latest stage) under them; without one (``ray job submit``, a pipe)
+they are plain text with no control characters. ``-v`` captures
 nothing: everything on the console as before.
 """
 
@@ -51,10 +52,19 @@ class Console:
     err: TextIO
     log_path: str | None = None
     """The log file holding the frameworks' output; None when nothing is captured (``-v``)."""
-    _rich: Any = field(default=None, repr=False)
+    _live: Any = field(default=None, repr=False)
+    """On a terminal while captured: a rich console with a status line (spinner + the latest stage line) kept
+    below the printed lines."""
+    _status: Any = field(default=None, repr=False)
+    _spinner: Any = field(default=None, repr=False)
 
     def line(self, text: str, *, err: bool = False, style: str | None = None) -> None:
         """One line on the console: styled on a terminal, plain text otherwise."""
+        if self._live is not None:
+            self._live.print(text, style=style, markup=False, highlight=False)
+            if text.strip():
+                self._spinner.update(text=f"[dim]{_escape(_short(text))}[/dim]")
+            return
         stream = self.err if err else self.out
         if style and _is_terminal(stream):
             from rich.console import Console as RichConsole
@@ -63,6 +73,37 @@ class Console:
         else:
             stream.write(text + "\n")
         stream.flush()
+
+    def start_status(self) -> None:
+        """On a terminal: a spinner line under the output that shows the latest stage line (rich)."""
+        if not _is_terminal(self.out):
+            return
+        from rich.console import Console as RichConsole
+        from rich.live import Live
+        from rich.spinner import Spinner
+
+        self._live = RichConsole(file=self.out, soft_wrap=True, highlight=False)
+        # Live, not Console.status: status() redirects sys.stdout/sys.stderr into the console, and those are the
+        # log file's while captured.
+        self._spinner = Spinner("dots", text="[dim]starting[/dim]")
+        self._status = Live(self._spinner, console=self._live, transient=True, refresh_per_second=4,
+                            redirect_stdout=False, redirect_stderr=False)
+        self._status.start()
+
+    def stop_status(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+        self._live = self._status = None
+
+
+def _short(text: str, width: int = 100) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
 
 
 _active = Console(out=sys.stdout, err=sys.stderr)
@@ -141,6 +182,7 @@ def capture(log_path: str) -> Iterator[Console]:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     _active = Console(out=out, err=err, log_path=log_path)
+    _active.start_status()
 
     root = logging.getLogger()
     saved_root = (root.level, list(root.handlers))
@@ -157,6 +199,7 @@ def capture(log_path: str) -> Iterator[Console]:
     try:
         yield _active
     finally:
+        _active.stop_status()
         logging.captureWarnings(False)
         ours.removeHandler(console_handler)
         root.removeHandler(file_handler)
