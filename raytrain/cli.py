@@ -113,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
 
         config_path, overrides = _split_config_and_overrides(args)
         job = load_job_config(config_path, overrides)
+        if args.command in ("run", "enrich", "train"):
+            return _run_stages(args, job, f"config {config_path or '(defaults)'} (hash {job.config_hash()}) "
+                                          f"overrides {overrides}")
         logging.getLogger("raytrain").info("config %s (hash %s) overrides %s", config_path or "(defaults)",
                                            job.config_hash(), overrides)
-        if args.command in ("run", "enrich", "train"):
-            return _run_stages(args, job)
         if args.command == "export":
             from raytrain.runner import export_latest
 
@@ -140,16 +141,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run_stages(args: argparse.Namespace, job) -> int:
+def _run_stages(args: argparse.Namespace, job, config_line: str) -> int:
     """run / enrich / train: framework output into the run's reports/logs/ file (unless -v), raytrain's story on
     the console; exceptions go to main's handlers after the capture has ended (so their message reaches the user)."""
     from raytrain.runner import command_log, finish_command_log
 
     if args.verbose:
+        logging.getLogger("raytrain").info("%s", config_line)
         return _stages(args, job, console.current())
     log_path = command_log(job, args.command)
     try:
         with console.capture(log_path) as con:
+            logging.getLogger("raytrain").info("%s", config_line)
             con.line(f"raytrain: framework output (Spark, Ray, DeepSpeed) -> {log_path} (-v shows it here)")
             try:
                 return _stages(args, job, con)
