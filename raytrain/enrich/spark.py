@@ -80,13 +80,15 @@ def find_java() -> JavaInstall:
     )
 
 
-LOG4J2_PROPERTIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
-"""The Spark driver JVM's log4j2 settings: warnings and errors to stderr (see the file)."""
-
-
 def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str, str]:
     """Spark settings for RayDP on Ray; pure, so tested without a JVM. ``console_progress``: Spark's stage
-    progress bar (carriage returns; off when the console is captured into a log file)."""
+    progress bar (carriage returns; off when the console is captured into a log file).
+
+    No log4j2 file of our own: RayDP's java agent points the driver JVM's System.err at a file of its own while
+    the JVM starts, and a log4j2 configuration given with -Dlog4j2.configurationFile binds its console appender
+    then, so every later driver warning was lost (seen 2026-12-04: empty slf4j-*.log, nothing on stderr). RayDP's
+    default names a file that does not exist; log4j prints one "StatusConsoleListener ... No configuration found"
+    line and Spark falls back to its own defaults on the real stderr (the run's log file when captured)."""
     return {
         "spark.executor.extraJavaOptions": JAVA_OPTIONS,
         "spark.driver.extraJavaOptions": JAVA_OPTIONS,
@@ -97,10 +99,6 @@ def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str,
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "256",
         "spark.ui.showConsoleProgress": "true" if console_progress else "false",
-        # RayDP passes this as -Dlog4j2.configurationFile to the driver JVM (its default names a file that is not
-        # there). The JVMs inside Ray keep RayDP's own log4j2.xml: it writes the raydp-java-worker-*.log files in
-        # Ray's log folder, where executor failures are diagnosed (FACTS.md).
-        "spark.log4j.config.file.name": LOG4J2_PROPERTIES,
         "spark.sql.session.timeZone": "UTC",
         # Hadoop S3A picks credentials from the usual AWS env/instance chain.
         "spark.hadoop.fs.s3a.aws.credentials.provider":
