@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
-import select
 import subprocess
 import sys
 import time
 
 import pytest
+from pty_console import run_in_pty
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
@@ -51,33 +50,6 @@ def _cmd(root, *extra: str) -> list[str]:
             *extra]
 
 
-def _run_in_pty(args: list[str], timeout_s: float) -> tuple[int, str]:
-    """Run with a pseudo-terminal as stdin/stdout/stderr; returns the exit code and everything it wrote."""
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(args, cwd=REPO, env=_env(), stdin=follower, stdout=follower, stderr=follower)
-    os.close(follower)
-    chunks, deadline = [], time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([leader], [], [], 5)
-        if ready:
-            try:
-                data = os.read(leader, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        elif proc.poll() is not None:
-            break
-    try:
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    os.close(leader)
-    return code, b"".join(chunks).decode("utf-8", "replace")
-
-
 @pytest.fixture(scope="module")
 def storage_root(tmp_path_factory):
     return tmp_path_factory.mktemp("console-runs")
@@ -98,7 +70,8 @@ def terminal(plain, storage_root):
     """The same run resumed for two more steps under a pseudo-terminal."""
     assert plain.returncode == 0, (plain.stdout + plain.stderr)[-4000:]
     t0 = time.monotonic()
-    code, text = _run_in_pty(_cmd(storage_root, f"train.max_steps={MORE_STEPS}"), timeout_s=1200)
+    code, text = run_in_pty(_cmd(storage_root, f"train.max_steps={MORE_STEPS}"), env=_env(), cwd=REPO,
+                            timeout_s=1200)
     print(f"resumed run under a terminal: {time.monotonic() - t0:.0f}s, {len(text.splitlines())} console lines")
     return code, text
 

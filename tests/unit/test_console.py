@@ -5,11 +5,11 @@ prints and loggers, warnings, C-level writes to descriptor 2, child processes.""
 from __future__ import annotations
 
 import os
-import pty
-import select
 import subprocess
 import sys
 import textwrap
+
+from pty_console import run_in_pty
 
 from raytrain.console import WORKER_MARK, worker_console_lines
 
@@ -48,24 +48,8 @@ def _run(tmp_path, use_pty: bool) -> tuple[str, str]:
         assert out.returncode == 0, out.stderr
         console_text = out.stdout + out.stderr
     else:
-        leader, follower = pty.openpty()
-        proc = subprocess.Popen(args, env=env, stdin=follower, stdout=follower, stderr=follower)
-        os.close(follower)
-        chunks = []
-        while True:
-            ready, _, _ = select.select([leader], [], [], 60)
-            if not ready:
-                break
-            try:
-                data = os.read(leader, 4096)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        assert proc.wait(timeout=60) == 0
-        os.close(leader)
-        console_text = b"".join(chunks).decode("utf-8", "replace")
+        code, console_text = run_in_pty(args, env=env, timeout_s=120)
+        assert code == 0, console_text
     with open(log_path, encoding="utf-8") as f:
         return console_text, f.read()
 
