@@ -131,8 +131,10 @@ class _ConsoleHandler(logging.Handler):
             stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
             style = "bold red" if record.levelno >= logging.ERROR else "yellow" if record.levelno >= logging.WARNING \
                 else None
-            _active.line(f"{stamp} {level}raytrain: {record.getMessage()}", err=record.levelno >= logging.WARNING,
-                         style=style)
+            # uncaptured (export, generate, before the run's log opens) every record goes to stderr as before, so a
+            # command's stdout stays its result
+            _active.line(f"{stamp} {level}raytrain: {record.getMessage()}",
+                         err=record.levelno >= logging.WARNING or _active.log_path is None, style=style)
         except Exception:  # noqa: BLE001 - logging must never raise into the job
             self.handleError(record)
 
@@ -153,10 +155,27 @@ def hook_worker_output() -> None:
     global_worker_stdstream_dispatcher.add_handler("raytrain_console", _print_worker_lines)
 
 
+class _NotOurs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith("raytrain")
+
+
 def configure_logging(verbose: bool) -> None:
-    """Plain logging for commands that capture nothing (and for -v): every record on stderr, as before."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    """Logging before (or without) a capture. ``verbose``: every record on stderr as 'time LEVEL name: message',
+    DEBUG and up. Else raytrain's records come as on the captured console ('time raytrain: message') and other
+    loggers' records, WARNING and up, on stderr."""
+    if verbose:
+        logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                            datefmt="%H:%M:%S")
+        return
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_NotOurs())
+    ours = logging.getLogger("raytrain")
+    ours.setLevel(logging.INFO)
+    if not any(isinstance(h, _ConsoleHandler) for h in ours.handlers):
+        ours.addHandler(_ConsoleHandler(logging.INFO))
 
 
 def log_file_name(command: str) -> str:
@@ -193,15 +212,18 @@ def capture(log_path: str) -> Iterator[Console]:
     root.addHandler(file_handler)
     root.setLevel(logging.INFO)
     ours = logging.getLogger("raytrain")
-    console_handler = _ConsoleHandler(logging.INFO)
-    ours.addHandler(console_handler)
+    console_handler = None
+    if not any(isinstance(h, _ConsoleHandler) for h in ours.handlers):  # configure_logging(False) put one there
+        console_handler = _ConsoleHandler(logging.INFO)
+        ours.addHandler(console_handler)
     logging.captureWarnings(True)  # warnings.warn of any library: the log file, through the root logger
     try:
         yield _active
     finally:
         _active.stop_status()
         logging.captureWarnings(False)
-        ours.removeHandler(console_handler)
+        if console_handler is not None:
+            ours.removeHandler(console_handler)
         root.removeHandler(file_handler)
         root.setLevel(saved_root[0])
         for h in saved_root[1]:
