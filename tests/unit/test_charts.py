@@ -5,6 +5,7 @@ bytes change when the metrics change and stay the same when they do not), clear 
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import numpy as np
@@ -121,3 +122,24 @@ def test_status_of_one_run(tmp_path):
     assert out.stdout.splitlines() == lines
     out = cli("status", str(tmp_path))
     assert out.returncode == 1 and "is not a run folder" in out.stderr
+
+
+def test_status_shows_the_dashboard_of_a_running_run(tmp_path):
+    """A job holding the run's lock wrote reports/session.json (raytrain.runner.write_session): both the table and
+    the one-run summary show its dashboard; a run nobody holds shows none."""
+    from raytrain.runlock import RunLock
+    from raytrain.storage import resolve
+    from tests.unit.test_cli import cli, commit_checkpoint
+
+    root = tmp_path / "runs"
+    run = root / "ci" / "demo" / "live"
+    commit_checkpoint(run, 1, 9.0)
+    (run / "reports").mkdir(parents=True, exist_ok=True)
+    (run / "reports" / "session.json").write_text(json.dumps({"dashboard_url": "http://127.0.0.1:8265"}))
+    assert "dashboard" not in cli("status", "--root", str(root)).stdout  # not running: no dashboard to visit
+    with RunLock(resolve(str(run)), heartbeat_interval_s=None):
+        table = cli("status", "--root", str(root))
+        one = cli("status", str(run))
+    assert table.returncode == 0 and one.returncode == 0, table.stderr + one.stderr
+    assert "live: running, Ray dashboard http://127.0.0.1:8265" in table.stdout
+    assert re.search(r"running +on \S+:\d+, dashboard http://127\.0\.0\.1:8265", one.stdout), one.stdout
