@@ -23,17 +23,39 @@ def main(description: str, stage: Callable[..., Any], takes_failures: bool = Tru
     if takes_failures:
         parser.add_argument("--max-failures", type=int, default=0, help="worker failures to recover from")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=20")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every program's output in the job log (default: Spark, Ray, DeepSpeed and the JVMs "
+                             "write to the run's reports/logs/ file, raytrain's own lines to the job log)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from raytrain import console
+    from raytrain.runner import command_log, finish_command_log
+
+    console.configure_logging(args.verbose)
     try:
         job = load_job_config(args.config, args.overrides)
         logging.info("resolved config: %s", json.dumps(job.to_dict(), sort_keys=True))
-        result = stage(job, max_failures=args.max_failures) if takes_failures else stage(job)
+        if args.verbose:
+            result = _call(stage, job, args, takes_failures)
+            print(json.dumps(result, indent=2, default=str) if isinstance(result, dict) else result)
+            return 0
+        log_path = command_log(job, os.path.splitext(os.path.basename(sys.argv[0]))[0])
+        try:
+            # `ray job submit` has no terminal: the console lines come plain (raytrain.console)
+            with console.capture(log_path) as con:
+                con.line(f"raytrain: framework output (Spark, Ray, DeepSpeed) -> {log_path} (--verbose shows it "
+                         "here)")
+                result = _call(stage, job, args, takes_failures)
+                con.line(json.dumps(result, indent=2, default=str) if isinstance(result, dict) else str(result))
+        finally:
+            finish_command_log(job, log_path)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except RaytrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2, default=str) if isinstance(result, dict) else result)
     return 0
+
+
+def _call(stage: Callable[..., Any], job: Any, args: argparse.Namespace, takes_failures: bool) -> Any:
+    return stage(job, max_failures=args.max_failures) if takes_failures else stage(job)

@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from raytrain import console
+from raytrain.console import configure_logging
 from raytrain.errors import ConfigError, RaytrainError
 
 DEFAULT_CONFIG = "configs/demo.yaml"
@@ -34,7 +36,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain", description=__doc__.splitlines()[0], epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging, and every program's output on the console (by default Spark, Ray, "
+                             "DeepSpeed and the JVMs write to the run's reports/logs/ file)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("run", help="enrich + pack + train (resumes a run with the same name)")
     _add_config_args(p)
@@ -52,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the user message")
     p.add_argument("--system", default="", help="system prompt (default: none)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    p = sub.add_parser("status", help="runs and checkpoints under a storage root, as a table")
+    p = sub.add_parser("status", help="runs and checkpoints under a storage root, as a table; or one run's summary")
+    p.add_argument("run", nargs="?", default=None,
+                   help="a run folder (<root>/<user>/<project>/<run>): its steps, losses, checkpoints, data counts")
     p.add_argument("--root", default="./runs", help="storage root (default ./runs)")
     p = sub.add_parser("fetch-jars", help="download the hadoop-aws + AWS SDK jars Spark needs for s3:// (from PyPI)")
     p.add_argument("--dest", default="", help="folder (default $RAYTRAIN_JARS_DIR or ~/.cache/raytrain/jars)")
@@ -79,13 +85,15 @@ def main(argv: list[str] | None = None) -> int:
               "raytrain --help",
               file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    configure_logging(args.verbose)
     try:
         if args.command == "status":
-            from raytrain.status import print_status
+            from raytrain.status import print_run_summary, print_status
 
-            print_status(args.root)
+            if args.run is not None:
+                print_run_summary(args.run)
+            else:
+                print_status(args.root)
             return 0
         if args.command == "fetch-jars":
             from raytrain.enrich.jars import fetch_s3a_jars
@@ -105,27 +113,12 @@ def main(argv: list[str] | None = None) -> int:
 
         config_path, overrides = _split_config_and_overrides(args)
         job = load_job_config(config_path, overrides)
+        if args.command in ("run", "enrich", "train"):
+            return _run_stages(args, job, f"config {config_path or '(defaults)'} (hash {job.config_hash()}) "
+                                          f"overrides {overrides}")
         logging.getLogger("raytrain").info("config %s (hash %s) overrides %s", config_path or "(defaults)",
                                            job.config_hash(), overrides)
-        t0 = time.perf_counter()
-        if args.command in ("run", "train"):
-            from raytrain.runner import run_sft, run_train
-
-            summary = (run_sft if args.command == "run" else run_train)(job, max_failures=args.max_failures)
-            final = summary["final"]
-            held_out = "".join(f", {label} {final[key]:.4f}" for key, label in (("eval_loss", "eval loss"),
-                                                                                ("benchmark_loss", "benchmark loss"))
-                               if key in final)
-            print(f"\nraytrain: trained to step {final.get('step')} (loss {final.get('loss', float('nan')):.4f}"
-                  f"{held_out}) in {time.perf_counter() - t0:.0f}s")
-            print(f"raytrain: checkpoints in {summary['checkpoints']}")
-            print(f"raytrain: reports in {summary['run']}/reports")
-        elif args.command == "enrich":
-            from raytrain.runner import run_enrich_only
-
-            packed = run_enrich_only(job)
-            print(f"\nraytrain: {packed.num_packs} packed sequences in {packed.location.uri}")
-        elif args.command == "export":
+        if args.command == "export":
             from raytrain.runner import export_latest
 
             out = export_latest(job, args.out)
@@ -146,6 +139,59 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("raytrain").exception("raytrain %s failed", args.command)
         print(f"raytrain: {args.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+
+
+def _run_stages(args: argparse.Namespace, job, config_line: str) -> int:
+    """run / enrich / train: framework output into the run's reports/logs/ file (unless -v), raytrain's story on
+    the console; exceptions go to main's handlers after the capture has ended (so their message reaches the user)."""
+    from raytrain.runner import command_log, finish_command_log
+
+    if args.verbose:
+        logging.getLogger("raytrain").info("%s", config_line)
+        return _stages(args, job, console.current())
+    log_path = command_log(job, args.command)
+    try:
+        with console.capture(log_path) as con:
+            logging.getLogger("raytrain").info("%s", config_line)
+            con.line(f"raytrain: framework output (Spark, Ray, DeepSpeed) -> {log_path} (-v shows it here)")
+            try:
+                return _stages(args, job, con)
+            except BaseException:
+                logging.getLogger("raytrain.cli").debug("failed", exc_info=True)  # the traceback, in the log file
+                con.line(f"raytrain: the log file {log_path} holds the frameworks' side of this", err=True)
+                raise
+    finally:
+        finish_command_log(job, log_path)
+
+
+def _stages(args: argparse.Namespace, job, con: console.Console) -> int:
+    t0 = time.perf_counter()
+    if args.command in ("run", "train"):
+        from raytrain.runner import run_sft, run_train
+
+        summary = (run_sft if args.command == "run" else run_train)(job, max_failures=args.max_failures)
+        final = summary["final"]
+        held_out = "".join(f", {label} {final[key]:.4f}" for key, label in (("eval_loss", "eval loss"),
+                                                                            ("benchmark_loss", "benchmark loss"))
+                           if key in final)
+        con.line("")
+        con.line(f"raytrain: trained to step {final.get('step')} (loss {final.get('loss', float('nan')):.4f}"
+                 f"{held_out}) in {time.perf_counter() - t0:.0f}s", style="bold green")
+        con.line(f"raytrain: checkpoints in {summary['checkpoints']}")
+        con.line(f"raytrain: reports in {summary['run']}/reports")
+        charts = summary.get("charts") or []
+        if charts:
+            con.line(f"raytrain: charts in {os.path.dirname(charts[0])} "
+                     f"({', '.join(os.path.basename(c) for c in charts)})")
+    else:
+        from raytrain.runner import run_enrich_only
+
+        packed = run_enrich_only(job)
+        con.line("")
+        con.line(f"raytrain: {packed.num_packs} packed sequences in {packed.location.uri}", style="bold green")
+    if con.log_path:
+        con.line(f"raytrain: framework log {con.log_path}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -382,6 +382,9 @@ class RayConfig:
     """Ray cluster address; empty starts an embedded local Ray (or joins RAY_ADDRESS / a `ray job submit` cluster)."""
     num_cpus: int = 0
     """CPUs for the embedded local Ray (0 = all of this machine's)."""
+    dashboard: bool = True
+    """Start the embedded Ray with its dashboard (needs ray[default]; the URL is printed, and shown by
+    `raytrain status` while the run is going). A dashboard that cannot start is one warning, not an error."""
 
 
 @dataclass(frozen=True)

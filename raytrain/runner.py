@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain.config import JobConfig
+from raytrain.console import framework_output_captured, hook_worker_output
 from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation, default_user, resolve, run_root
 
@@ -67,15 +68,57 @@ def connect_ray(job: JobConfig) -> bool:
     # (without them a storage.root of s3://... works on the driver and fails in the trainer workers).
     worker_env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})
     runtime_env = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
+    if framework_output_captured():
+        # Ray Data's progress bars (driver and the trainer workers' reads) would be carriage-return noise in the log
+        runtime_env["env_vars"].setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     if address:
         log.info("joining Ray cluster at %s", address)
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         # Logical CPUs: at least 4 even on a 2-core laptop, so the trainer's workers, Ray Data's read tasks and the
         # Spark executors can all be scheduled (they mostly wait on each other, the OS shares the cores).
         num_cpus = job.ray.num_cpus or max(4, os.cpu_count() or 1)
         log.info("starting an embedded local Ray with %d logical CPUs", num_cpus)
-        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+        context = _init_embedded(num_cpus, runtime_env, job.ray.dashboard)
+    hook_worker_output()
+    global DASHBOARD_URL
+    DASHBOARD_URL = _http(getattr(context, "dashboard_url", "") or "")
+    if DASHBOARD_URL:
+        log.info("Ray dashboard: %s", DASHBOARD_URL)
+    return True
+
+
+DASHBOARD_URL = ""
+"""The Ray dashboard of the cluster connect_ray joined or started ('' when it has none)."""
+
+
+def _http(url: str) -> str:
+    return url if not url or "://" in url else f"http://{url}"
+
+
+def _init_embedded(num_cpus: int, runtime_env: dict[str, Any], dashboard: bool) -> Any:
+    """ray.init for the embedded local cluster, with its dashboard when ray.dashboard is on and Ray's dashboard
+    extra (ray[default]) is installed. A dashboard that cannot start (missing extra, no free port, a crash) costs
+    one line and the run goes on without it. Its State API also keeps Ray Train's placement-group cleaner quiet
+    (without it that actor logs 'State API may be temporarily unavailable' every few seconds)."""
+    import ray
+
+    kwargs = {"num_cpus": num_cpus, "runtime_env": runtime_env, "log_to_driver": True}
+    if dashboard:
+        from ray._private.utils import get_dashboard_dependency_error
+
+        missing = get_dashboard_dependency_error()
+        if missing is None:
+            try:
+                return ray.init(include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
+            except Exception as e:  # noqa: BLE001 - any dashboard failure: go on without it, said in one line
+                log.warning("Ray dashboard could not start (%s); continuing without it", str(e).splitlines()[0])
+                ray.shutdown()
+        else:
+            log.warning("Ray dashboard not available (%s; pip install 'ray[default]'); continuing without it",
+                        missing)
+    return ray.init(include_dashboard=False, **kwargs)
     return True
 
 
@@ -135,6 +178,32 @@ def run_enrich_and_pack(run: Run):
     return tokenize_and_pack(result.enriched, packed_loc, run.job.dataset, run.data_hash, eval_records=records)
 
 
+def command_log(job: JobConfig, command: str) -> str:
+    """Where a command's framework output goes: ``<run>/reports/logs/<command>-<time>-<pid>.log`` on a POSIX run
+    root; else a local file that finish_command_log copies up at the end. Runs the preflight first, so a bad setting
+    fails before the run folder is created (and its message reaches the console)."""
+    from raytrain.console import log_file_name
+
+    run = open_run(job)
+    preflight(run)
+    logs = run.root.join("reports", "logs")
+    if logs.local_path:
+        return os.path.join(logs.local_path, log_file_name(command))
+    return os.path.join(tempfile.gettempdir(), "raytrain-logs", log_file_name(command))
+
+
+def finish_command_log(job: JobConfig, log_path: str) -> None:
+    """Copy a local log of a run on an object store into its reports/logs/ (a no-op on POSIX run roots)."""
+    logs = open_run(job).root.join("reports", "logs")
+    if logs.local_path or not os.path.exists(log_path):
+        return
+    try:
+        with open(log_path, "rb") as f:
+            logs.join(os.path.basename(log_path)).write_atomic(f.read())
+    except OSError as e:
+        log.warning("could not copy the log %s to %s: %s", log_path, logs.uri, e)
+
+
 def _with_run(job: JobConfig, body):
     """Open the run, join or start Ray, hold the run lock while `body(run)` runs, shut an embedded Ray down."""
     from raytrain.runlock import RunLock
@@ -146,12 +215,26 @@ def _with_run(job: JobConfig, body):
         run.root.mkdirs()
         with RunLock(run.root):
             log.info("run %s", run.root.uri)
+            write_session(run)
             return body(run)
     finally:
         if started_ray:
             import ray
 
             ray.shutdown()
+
+
+def write_session(run: Run) -> None:
+    """reports/session.json: who runs the job, its dashboard and framework log (`raytrain status` reads it while
+    the run's lock is held)."""
+    import socket
+    import time
+
+    from raytrain.console import current
+
+    write_report(run, "session.json", {"host": socket.gethostname(), "pid": os.getpid(),
+                                       "started_unix_s": round(time.time(), 3), "dashboard_url": DASHBOARD_URL,
+                                       "log_file": current().log_path or ""})
 
 
 def _train(run: Run, packed, max_failures: int) -> dict[str, Any]:
@@ -163,8 +246,24 @@ def _train(run: Run, packed, max_failures: int) -> dict[str, Any]:
                "num_packs": packed.num_packs, "validation_packs": held_out.num_packs if held_out else 0,
                "benchmark_packs": packed.benchmark.num_packs if packed.benchmark else 0,
                "config_hash": run.job.config_hash()}
+    summary["charts"] = write_charts(run)
     write_report(run, "run_summary.json", summary)
     return summary
+
+
+def write_charts(run: Run) -> list[str]:
+    """PNG charts of the run under reports/charts/ (raytrain.charts), driver side, at the end of training. A chart
+    that cannot be drawn is a warning: the run's checkpoints are what matters."""
+    if not run.root.local_path:
+        log.info("charts: skipped, the run is on %s (they draw from local reports)", run.root.scheme)
+        return []
+    from raytrain.charts import write_run_charts
+
+    try:
+        return write_run_charts(run.root.local_path, run.job.dataset.seq_len)
+    except Exception as e:  # noqa: BLE001 - see docstring
+        log.warning("charts: not drawn (%s: %s)", type(e).__name__, e)
+        return []
 
 
 def run_sft(job: JobConfig, max_failures: int = 0) -> dict[str, Any]:
@@ -191,8 +290,21 @@ def run_enrich_only(job: JobConfig):
     return _with_run(job, run_enrich_and_pack)
 
 
+_PREFLIGHTED: set[tuple[str, str]] = set()
+"""(run URI, config hash) pairs this process has checked: the CLI checks before opening the run's log file, the
+stage then skips the second check."""
+
+
 def preflight(run: Run) -> None:
     """Cheap checks before any cluster work, so a bad setting fails in seconds with a clear message."""
+    key = (run.root.uri, run.job.config_hash())
+    if key in _PREFLIGHTED:
+        return
+    _preflight(run)
+    _PREFLIGHTED.add(key)
+
+
+def _preflight(run: Run) -> None:
     from raytrain.enrich.spark import find_java
     from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
     from raytrain.pipeline.model import model_config

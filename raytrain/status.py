@@ -94,6 +94,99 @@ def print_status(root_uri: str) -> int:
     # Wide enough for the table when piped (rich falls back to 80 columns without a terminal).
     console = Console(width=160) if not Console().is_terminal else Console()
     console.print(table)
+    for r in rows:
+        if r.locked_by:
+            session = _read_json(root.join(r.user, r.project, r.run, "reports", "session.json")) or {}
+            if session.get("dashboard_url"):
+                console.print(f"{r.run}: running, Ray dashboard {session['dashboard_url']}", markup=False,
+                              highlight=False)
     if not rows:
         console.print(f"no runs under {root.uri} (runs live at <root>/<user>/<project>/<run>/)")
     return len(rows)
+
+
+def _read_json(loc: StorageLocation) -> dict | None:
+    import json
+
+    if not loc.is_file():
+        return None
+    try:
+        value = json.loads(loc.read_text())
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def run_summary_lines(run_uri: str) -> list[str]:
+    """A compact summary of one run folder: whether a job holds it (and its dashboard), steps and last losses,
+    checkpoints, data counts, charts and logs. Raises RaytrainError when the folder is not a run."""
+    from raytrain.charts import CHART_DIR, load_metrics
+    from raytrain.checkpoint.store import CheckpointStore
+    from raytrain.runlock import RunLock
+
+    rdir = resolve(run_uri)
+    if not any(rdir.join(d).is_dir() for d in ("checkpoints", "data", "reports")):
+        raise RaytrainError(f"{rdir.uri} is not a run folder (no checkpoints/, data/ or reports/ in it); runs live at "
+                            "<root>/<user>/<project>/<run>/, `raytrain status --root <root>` lists them")
+    lines = [f"run {rdir.uri}"]
+    holder = RunLock(rdir).holder()
+    session = _read_json(rdir.join("reports", "session.json")) or {}
+    if holder:
+        lines.append(f"  running      on {holder.host}:{holder.pid}"
+                     + (f", dashboard {session['dashboard_url']}" if session.get("dashboard_url") else ""))
+    else:
+        lines.append("  running      no")
+
+    metrics_loc = rdir.join("reports", "metrics.jsonl")
+    metrics = load_metrics(metrics_loc.local_path) if metrics_loc.local_path and metrics_loc.is_file() else []
+    summary = _read_json(rdir.join("reports", "run_summary.json")) or {}
+    if metrics:
+        last = metrics[-1]
+        evals = [m for m in metrics if isinstance(m.get("eval_loss"), int | float)]
+        text = f"  training     step {last['step']}, loss {last.get('loss', float('nan')):.4f}"
+        if evals:
+            text += f", eval loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}"
+        if last.get("tokens_seen"):
+            text += f", {last['tokens_seen']:,} tokens seen"
+        lines.append(text)
+    else:
+        lines.append("  training     no steps recorded")
+
+    committed = CheckpointStore(rdir).committed()
+    if committed:
+        latest = committed[-1]
+        lines.append(f"  checkpoints  {len(committed)} (steps {', '.join(str(c.step) for c in committed)}), latest "
+                     f"step {latest.step} saved {latest.manifest.get('created_at', '?')}")
+    else:
+        lines.append("  checkpoints  none")
+
+    report = _read_json(rdir.join("reports", "enrich_report.json"))
+    if report:
+        reasons = ", ".join(f"{k} {v}" for k, v in (report.get("quarantined") or {}).items()) or "none"
+        lines.append(f"  data         {report.get('rows_in')} rows in -> {report.get('rows_out')} kept, "
+                     f"{report.get('quarantined_total')} quarantined ({reasons})")
+    packed = _read_json(rdir.join("data", "packed", "_manifest.json"))
+    if packed:
+        held = (packed.get("validation") or {}).get("num_packs")
+        lines.append(f"  packed       {packed.get('num_packs')} sequences of {packed.get('seq_len')} tokens from "
+                     f"{packed.get('rows')} rows" + (f", {held} held out for validation" if held else ""))
+    elif summary.get("num_packs"):
+        lines.append(f"  packed       {summary['num_packs']} sequences")
+
+    charts = rdir.join(*CHART_DIR)
+    if charts.is_dir():
+        names = sorted(n for n in charts.listdir() if n.endswith(".png"))
+        lines.append(f"  charts       {charts.uri} ({', '.join(names) or 'none'})")
+    logs = rdir.join("reports", "logs")
+    if logs.is_dir():
+        names = sorted(logs.listdir())
+        if names:
+            lines.append(f"  logs         {logs.join(names[-1]).uri}" + (f" (+{len(names) - 1} older)"
+                                                                         if len(names) > 1 else ""))
+    return lines
+
+
+def print_run_summary(run_uri: str) -> None:
+    """`raytrain status RUN`: run_summary_lines, printed."""
+    for line in run_summary_lines(run_uri):
+        print(line)

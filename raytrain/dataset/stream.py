@@ -197,6 +197,8 @@ def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: D
         raise RaytrainError(f"dataset.split_weights needs the enriched rows' 'split' column; {files[0]} has none. "
                             "Re-run the enrichment, or drop dataset.split_weights.")
     columns = ["uuid", "split", "messages_json"] if weights else ["uuid", "messages_json"]
+    log.info("dataset: tokenizing (%s) and packing %d conversations into %d-token sequences with Ray Data",
+             cfg.tokenizer, num_rows, cfg.seq_len)
     ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=columns)
     validation, held_out = None, {"rows": 0, "num_packs": 0, "num_real_tokens": 0, "files": [], "fraction": fraction}
     train_ds = ds if fraction == 0 and not weights else ds.map_batches(

@@ -41,6 +41,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from raytrain.config import JobConfig
+from raytrain.console import QUIET
 from raytrain.enrich.corpus import check_corpus
 from raytrain.enrich.corpus_udfs import CORPUS_COLUMNS
 from raytrain.enrich.decontam import build_eval_index, eval_text, iter_eval_records
@@ -282,7 +283,9 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     summary_loc = run_root.join("reports", "enrich_summary.txt")
     summary_loc.parent.mkdirs()
     summary_loc.write_atomic(summary)
-    log.info("enrich summary:\n%s", summary)
+    log.info("enrich summary:\n%s", summary, extra={QUIET: False})  # screens of text: the log file only
+    log.info("enrich: %d rows in -> %d kept, %d quarantined (%s); summary in %s", rows_in, enriched_rows,
+             quarantine_rows, ", ".join(f"{k} {v}" for k, v in per_reason.items()) or "none", summary_loc.uri)
     return EnrichSession(EnrichResult(enriched=enriched, quarantine=quarantine, report=report), df)
 
 

@@ -80,8 +80,15 @@ def find_java() -> JavaInstall:
     )
 
 
-def spark_configs(cfg: EnrichConfig) -> dict[str, str]:
-    """Spark settings for RayDP on Ray; pure, so tested without a JVM."""
+def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str, str]:
+    """Spark settings for RayDP on Ray; pure, so tested without a JVM. ``console_progress``: Spark's stage
+    progress bar (carriage returns; off when the console is captured into a log file).
+
+    No log4j2 file of our own: RayDP's java agent points the driver JVM's System.err at a file of its own while
+    the JVM starts, and a log4j2 configuration given with -Dlog4j2.configurationFile binds its console appender
+    then, so every later driver warning was lost (seen 2026-12-04: empty slf4j-*.log, nothing on stderr). RayDP's
+    default names a file that does not exist; log4j prints one "StatusConsoleListener ... No configuration found"
+    line and Spark falls back to its own defaults on the real stderr (the run's log file when captured)."""
     return {
         "spark.executor.extraJavaOptions": JAVA_OPTIONS,
         "spark.driver.extraJavaOptions": JAVA_OPTIONS,
@@ -91,7 +98,7 @@ def spark_configs(cfg: EnrichConfig) -> dict[str, str]:
         "spark.sql.shuffle.partitions": str(cfg.num_partitions),
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "256",
-        "spark.ui.showConsoleProgress": "true",
+        "spark.ui.showConsoleProgress": "true" if console_progress else "false",
         "spark.sql.session.timeZone": "UTC",
         # Hadoop S3A picks credentials from the usual AWS env/instance chain.
         "spark.hadoop.fs.s3a.aws.credentials.provider":
@@ -111,7 +118,9 @@ def spark_session(cfg: EnrichConfig, app_name: str = "raytrain-enrich",
     # Spark's Python workers start `python3` from PATH unless told: use this interpreter (FACTS.md).
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    configs = spark_configs(cfg)
+    from raytrain.console import framework_output_captured
+
+    configs = spark_configs(cfg, console_progress=not framework_output_captured())
     configs["spark.pyspark.python"] = sys.executable
     configs["spark.executorEnv.PYSPARK_PYTHON"] = sys.executable
     configs.update(extra_configs or {})

@@ -126,6 +126,9 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         # must see the same micro-batches (ray#60439). Each reading worker streams exactly its replica's packs with
         # Ray Data itself (raytrain.trainer.feed, raytrain.dataset.stream.stream_micro_batches).
     )
+    log.info("train: starting %d Ray Train workers (pp %d x dp %d) for %d steps on %d packed sequences%s",
+             tc.num_workers, tc.pp, tc.dp, tc.stop_at_step or tc.max_steps, num_packs,
+             f", eval on {validation.num_packs} held out" if validation is not None else "")
     try:
         trainer.fit()
     except ray.train.WorkerGroupError as e:
