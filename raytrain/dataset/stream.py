@@ -224,8 +224,9 @@ def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: D
             files_b, packs_b, tokens_b = _pack(ray.data.from_pandas(conversations), folder, cfg)
             bench.update(num_packs=packs_b, num_real_tokens=tokens_b, files=[p.rsplit("/", 1)[-1] for p in files_b])
             benchmark = PackedData(folder, tuple(files_b), packs_b, tokens_b)
-        log.info("dataset: benchmark loss on %d of %d eval items (left out: %s) -> %d packed sequences",
-                 len(conversations), len(eval_records), bench["skipped"], bench["num_packs"])
+        log.info("dataset: benchmark loss on %d of %d eval items (left out: %d without a question and answer, %d "
+                 "longer than seq_len) -> %d packed sequences", len(conversations), len(eval_records),
+                 bench["skipped"]["no_question_answer"], bench["skipped"]["longer_than_seq_len"], bench["num_packs"])
     manifest = {"data_hash": data_hash, "num_packs": num_packs, "num_real_tokens": num_tokens,
                 "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer,
                 "files": [p.rsplit("/", 1)[-1] for p in out_files], "rows": num_rows - held_out["rows"],
