@@ -22,7 +22,7 @@ from raytrain.config import JobConfig, load_job_config
 from raytrain.dataset.packs import PackReader
 from raytrain.dataset.stream import stream_micro_batches
 from raytrain.pipeline.flops import flops_per_token, pipeline_bubble_fraction
-from raytrain.pipeline.model import model_config
+from raytrain.pipeline.model import IGNORE_INDEX, model_config
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
@@ -219,7 +219,7 @@ class _Samples:
                  reports_dir: str | None) -> None:
         from raytrain.dataset.tokenize import load_tokenizer
 
-        self.stage, self.job, self.topo = stage, job, topo
+        self.stage, self.job = stage, job
         self.path = os.path.join(reports_dir, "samples.jsonl") if reports_dir and topo.world_rank == 0 else None
         self.tokenizer = load_tokenizer(job.dataset.tokenizer)
         self.count = min(job.train.micro_batch_size, held["num_packs"])
@@ -230,7 +230,7 @@ class _Samples:
             self.prompts = []
             for ids, labels, segments in zip(batch["input_ids"], batch["labels"], batch["segment_ids"], strict=True):
                 first = segments == segments[0]  # the pack's first document
-                start = int((labels[first] != -100).argmax())  # labels[t] is token t + 1: the answer starts at t + 1
+                start = int((labels[first] != IGNORE_INDEX).argmax())  # labels[t] is token t + 1: answer at t + 1
                 self.prompts.append(ids[first][:start + 1].tolist())
                 self.references.append(ids[first][start + 1:].tolist())
 
