@@ -168,10 +168,13 @@ def configure_logging(verbose: bool) -> None:
         logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                             datefmt="%H:%M:%S")
         return
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_NotOurs())
+    root = logging.getLogger()
+    if not root.handlers:  # a process of its own (the CLI); one embedding raytrain keeps its handlers untouched
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        handler.addFilter(_NotOurs())  # raytrain's records reach the console through _ConsoleHandler, once
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
     ours = logging.getLogger("raytrain")
     ours.setLevel(logging.INFO)
     if not any(isinstance(h, _ConsoleHandler) for h in ours.handlers):

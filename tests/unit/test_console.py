@@ -4,6 +4,7 @@ prints and loggers, warnings, C-level writes to descriptor 2, child processes.""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import textwrap
 
 from pty_console import run_in_pty
 
+from raytrain import console
 from raytrain.console import WORKER_MARK, worker_console_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,3 +88,22 @@ def test_worker_console_lines_keep_only_raytrain_lines():
     assert worker_console_lines(data) == [f"(RayTrainWorker pid=7) {WORKER_MARK} step 3/10 loss 9.1"]
     assert worker_console_lines({"pid": 8, "task_name": "read", "lines": ["x"]}) == []
     assert worker_console_lines({"pid": 9, "lines": [f"{WORKER_MARK} a"]}) == [f"(pid=9) {WORKER_MARK} a"]
+
+
+def test_configure_logging_leaves_an_embedding_process_handlers_alone(caplog):
+    """In a process that already logs (pytest, a notebook, a service calling cli.main) configure_logging adds its
+    console handler to raytrain's logger and does not filter the root handlers it finds: an in-process `main()` once
+    hid every later raytrain record from pytest's caplog."""
+    ours = logging.getLogger("raytrain")
+    before = (ours.level, list(ours.handlers))
+    try:
+        console.configure_logging(False)
+        with caplog.at_level(logging.WARNING):
+            logging.getLogger("raytrain.storage").warning("still seen by the host's handlers")
+        assert "still seen by the host's handlers" in caplog.text
+        assert all(not f for f in (h.filters for h in logging.getLogger().handlers))
+    finally:
+        for h in list(ours.handlers):
+            if h not in before[1]:
+                ours.removeHandler(h)
+        ours.setLevel(before[0])
