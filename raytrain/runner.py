@@ -162,7 +162,7 @@ def write_report(run: Run, name: str, report: dict[str, Any]) -> StorageLocation
 
 def run_enrich_and_pack(run: Run):
     """Enrich + tokenize/pack unless this run already holds packed sequences for the same settings."""
-    from raytrain.dataset.stream import load_packed, tokenize_and_pack
+    from raytrain.dataset.stream import load_packed, pack_enriched
     from raytrain.enrich.job import load_eval_texts, run_enrich
 
     packed_loc = run.root.join("data", "packed")
@@ -175,7 +175,7 @@ def run_enrich_and_pack(run: Run):
     write_report(run, "enrich_report.json", result.report)
     # the eval sets' question/answer items also give the benchmark loss (raytrain.dataset.stream)
     records = load_eval_texts(eval_sets, input_root, run.job.storage.s3_endpoint or None).records
-    return tokenize_and_pack(result.enriched, packed_loc, run.job.dataset, run.data_hash, eval_records=records)
+    return pack_enriched(result.enriched, packed_loc, run.job.dataset, run.data_hash, eval_records=records)
 
 
 def command_log(job: JobConfig, command: str) -> str:

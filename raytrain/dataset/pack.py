@@ -15,7 +15,7 @@ into the first open pack with room, else opens a new pack, first emitting the fu
 document follows a short one, while the bounded window keeps it streaming (memory
 O(max_open_packs * seq_len)) and deterministic. ``max_open_packs=1`` is plain sequential packing.
 
-Before packing, ``tokenize_and_pack_batch`` applies ``dataset.length_policy`` (raytrain.dataset.length): under
+Before packing, ``pack_batch`` applies ``dataset.length_policy`` (raytrain.dataset.length): under
 "truncate" a long conversation keeps its prompt and the first tokens of its answer, under "drop" none reaches
 packing (the enrichment quarantined them). Under "split" (opt-in), a document longer than ``seq_len`` is cut
 into consecutive chunks of ``seq_len`` tokens plus a remainder;
@@ -140,20 +140,38 @@ def pack_documents(
 
 
 PACK_COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids")
-"""The (num_packs, seq_len) int64 array columns of ``tokenize_and_pack_batch``'s output."""
+"""The (num_packs, seq_len) int64 array columns of ``pack_batch``'s output."""
+TOKENIZED_COLUMNS = ("uuid", "input_ids", "loss_mask")
+"""What ``pack_batch`` reads: the enrichment stores them (raytrain.enrich.udfs.tokenize_batch), ``tokenize_frame``
+makes them for conversations that did not come through it (the benchmark set)."""
 
 
-def tokenize_and_pack_batch(
+def tokenize_frame(frame: pd.DataFrame, tokenizer_version: str) -> pd.DataFrame:
+    """(``uuid``, ``messages_json``) conversations -> (``uuid``, ``input_ids``, ``loss_mask``) rows, tokenized
+    by mistral-common (tokenize.tokenize_conversation). Raises RaytrainError naming the uuid and row of a
+    conversation that cannot be tokenized."""
+    tokenizer = load_tokenizer(tokenizer_version)
+    rows = []
+    for row, (uuid, messages_json) in enumerate(zip(frame["uuid"], frame["messages_json"], strict=True)):
+        try:
+            tokenized = tokenize_conversation(json.loads(messages_json), tokenizer)
+        except (RaytrainError, json.JSONDecodeError, TypeError) as exc:
+            raise RaytrainError(f"conversation uuid={uuid!r} (row {row}): {exc}") from exc
+        rows.append((str(uuid), tokenized.input_ids, tokenized.loss_mask))
+    return pd.DataFrame(rows, columns=list(TOKENIZED_COLUMNS))
+
+
+def pack_batch(
     batch: pd.DataFrame,
-    tokenizer_version: str,
     seq_len: int,
     length_policy: str,
     pad_id: int = 0,
     max_open_packs: int = 8,
 ) -> dict[str, np.ndarray]:
-    """Tokenize a batch of conversations and pack them; the function to give Ray Data ``map_batches``.
+    """Pack a batch of tokenized conversations; the function to give Ray Data ``map_batches``.
 
-    In:  ``batch`` with columns ``uuid`` (str) and ``messages_json`` (JSON string of the message list).
+    In:  ``batch`` with TOKENIZED_COLUMNS: ``uuid`` (str), ``input_ids`` (token ids) and ``loss_mask`` (bools,
+         True on assistant-generated tokens), as the enrichment stored them.
     Out: ``input_ids``, ``labels``, ``position_ids``, ``segment_ids``: (num_packs, seq_len) int64;
          ``doc_ids``: (num_packs,) object array of comma-joined uuids (one per segment, in segment order;
          uuids must not contain commas);
@@ -166,20 +184,18 @@ def tokenize_and_pack_batch(
     Stateless per batch: the last open packs of a batch are padded and emitted rather than carried into
     the next batch, so each batch costs up to ``max_open_packs`` partly filled packs; keep batches large
     (thousands of conversations) relative to ``max_open_packs`` to make that padding small.
-    Raises RaytrainError naming the uuid and row of a conversation that cannot be tokenized.
     """
-    for column in ("uuid", "messages_json"):
-        if column not in batch.columns:
-            raise RaytrainError(f"batch is missing column {column!r}; it has {list(batch.columns)}.")
-    tokenizer = load_tokenizer(tokenizer_version)
+    missing = [c for c in TOKENIZED_COLUMNS if c not in batch.columns]
+    if missing:
+        raise RaytrainError(f"batch is missing column(s) {missing}; it has {list(batch.columns)}. Enriched data "
+                            "written before token ids were stored: re-run the enrichment (a new storage.run_name).")
 
     def documents() -> Iterator[tuple[str, list[int], list[bool]]]:
-        for row, (uuid, messages_json) in enumerate(zip(batch["uuid"], batch["messages_json"], strict=True)):
+        for row, (uuid, ids, mask) in enumerate(zip(batch["uuid"], batch["input_ids"], batch["loss_mask"],
+                                                     strict=True)):
             try:
-                messages = json.loads(messages_json)
-                tokenized = tokenize_conversation(messages, tokenizer)
-                ids, mask = apply_length(tokenized.input_ids, tokenized.loss_mask, seq_len, length_policy, str(uuid))
-            except (RaytrainError, json.JSONDecodeError, TypeError) as exc:
+                ids, mask = apply_length(list(ids), [bool(m) for m in mask], seq_len, length_policy, str(uuid))
+            except RaytrainError as exc:
                 raise RaytrainError(f"conversation uuid={uuid!r} (batch row {row}): {exc}") from exc
             yield str(uuid), ids, mask
 

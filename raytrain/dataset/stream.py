@@ -26,9 +26,8 @@ import pyarrow.parquet as pq
 import ray
 
 from raytrain.config import DatasetConfig
-from raytrain.dataset.pack import tokenize_and_pack_batch
+from raytrain.dataset.pack import TOKENIZED_COLUMNS, pack_batch, tokenize_frame
 from raytrain.dataset.packs import PackReader
-from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation
 
@@ -36,7 +35,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
 PACK_ROW_GROUP_ROWS = 1
-TOKENIZE_BATCH_ROWS = 512  # conversations per map_batches call: large enough that per-batch padding stays small
+PACK_BATCH_ROWS = 512  # conversations per map_batches call: large enough that per-batch padding stays small
 
 
 @dataclass(frozen=True)
@@ -138,11 +137,10 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
                       existing["num_real_tokens"], subset("validation"), subset("benchmark"))
 
 
-def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> tuple[list[str], int, int]:
-    """Tokenize + pack ``ds`` into Parquet under ``out``: (files in read order, packs, real tokens)."""
-    ds = ds.map_batches(tokenize_and_pack_batch, batch_format="pandas", batch_size=TOKENIZE_BATCH_ROWS,
-                        fn_kwargs={"tokenizer_version": cfg.tokenizer, "seq_len": cfg.seq_len,
-                                  "length_policy": cfg.length_policy})
+def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> PackedData | None:
+    """Pack ``ds`` (TOKENIZED_COLUMNS rows) into Parquet under ``out``; None when it gave no pack."""
+    ds = ds.map_batches(pack_batch, batch_format="pandas", batch_size=PACK_BATCH_ROWS,
+                        fn_kwargs={"seq_len": cfg.seq_len, "length_policy": cfg.length_policy})
     # one pack per row group: a trainer rank reads exactly the packs it trains (raytrain.dataset.packs)
     ds.write_parquet(out.path, filesystem=out.filesystem, row_group_size=PACK_ROW_GROUP_ROWS)
     out_files = _parquet_files(out) if out.exists() else []
@@ -152,16 +150,21 @@ def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> tup
             t = pq.read_table(f, columns=["num_tokens"])
         num_packs += t.num_rows
         num_tokens += int(t.column("num_tokens").to_numpy().sum()) if t.num_rows else 0
-    return out_files, num_packs, num_tokens
+    return PackedData(out, tuple(out_files), num_packs, num_tokens) if num_packs else None
+
+
+def _entry(data: PackedData | None, **extra: Any) -> dict[str, Any]:
+    """A packed set's manifest entry: packs, real tokens, file names (plus ``extra``)."""
+    return {**extra, "num_packs": data.num_packs if data else 0, "num_real_tokens": data.num_real_tokens if data else 0,
+            "files": [p.rsplit("/", 1)[-1] for p in data.files] if data else []}
 
 
 def benchmark_conversations(records: Sequence[dict[str, Any] | str], cfg: DatasetConfig
                             ) -> tuple[pd.DataFrame, dict[str, int]]:
-    """Eval items with a non-empty ``question`` and ``answer`` as [user: question, assistant: answer] conversations
-    (``uuid`` benchmark-<i>, ``messages_json``), and the counts of items left out: no question/answer fields
-    (e.g. plain-text eval sets), or longer than ``dataset.seq_len`` tokens (never cut: a cut answer is another
-    benchmark)."""
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    """Eval items with a non-empty ``question`` and ``answer`` as [user: question, assistant: answer] conversations,
+    tokenized (TOKENIZED_COLUMNS, ``uuid`` benchmark-<i>), and the counts of items left out: no question/answer
+    fields (e.g. plain-text eval sets), or longer than ``dataset.seq_len`` tokens (never cut: a cut answer is
+    another benchmark)."""
     rows: list[dict[str, str]] = []
     skipped = {"no_question_answer": 0, "longer_than_seq_len": 0}
     for i, record in enumerate(records):
@@ -172,18 +175,19 @@ def benchmark_conversations(records: Sequence[dict[str, Any] | str], cfg: Datase
             continue
         messages = [{"role": "user", "content": question, "tool_calls": None},
                     {"role": "assistant", "content": answer, "tool_calls": None}]
-        if tokenize_conversation(messages, tokenizer).num_tokens > cfg.seq_len:
-            skipped["longer_than_seq_len"] += 1
-            continue
         rows.append({"uuid": f"benchmark-{i}", "messages_json": json.dumps(messages)})
-    return pd.DataFrame(rows, columns=["uuid", "messages_json"]), skipped
+    tokenized = tokenize_frame(pd.DataFrame(rows, columns=["uuid", "messages_json"]), cfg.tokenizer)
+    fits = np.array([len(ids) <= cfg.seq_len for ids in tokenized["input_ids"]], dtype=bool)
+    skipped["longer_than_seq_len"] = int((~fits).sum())
+    return tokenized[fits].reset_index(drop=True), skipped
 
 
-def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: DatasetConfig,
-                      data_hash: str, eval_records: Sequence[dict[str, Any] | str] = ()) -> PackedData:
-    """Tokenize + pack the enriched conversations with Ray Data and write them, manifest last, under `packed`;
-    ``eval_records`` (the decontamination eval sets' items) become the benchmark set (``benchmark_conversations``).
-    """
+def pack_enriched(enriched: StorageLocation, packed: StorageLocation, cfg: DatasetConfig,
+                  data_hash: str, eval_records: Sequence[dict[str, Any] | str] = ()) -> PackedData:
+    """Pack the enriched rows' stored token ids with Ray Data and write them, manifest last, under `packed`: the
+    training rows (mixture-weighted), the validation rows (``validation_mask``) under ``validation/``, and
+    ``eval_records`` (the decontamination eval sets' items) as the benchmark set (``benchmark_conversations``)
+    under ``benchmark/``."""
     if packed.exists():
         packed.delete_dir()  # a partial output from an interrupted run (no manifest): start clean
     t0 = time.perf_counter()
@@ -193,44 +197,45 @@ def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: D
     num_rows = sum(pq.ParquetFile(enriched.filesystem.open_input_file(f)).metadata.num_rows for f in files)
     fraction = validation_fraction(cfg, num_rows)
     weights = cfg.weights()
-    if weights and "split" not in pq.read_schema(enriched.filesystem.open_input_file(files[0])).names:
+    names = pq.read_schema(enriched.filesystem.open_input_file(files[0])).names
+    if weights and "split" not in names:
         raise RaytrainError(f"dataset.split_weights needs the enriched rows' 'split' column; {files[0]} has none. "
                             "Re-run the enrichment, or drop dataset.split_weights.")
-    columns = ["uuid", "split", "messages_json"] if weights else ["uuid", "messages_json"]
-    log.info("dataset: tokenizing (%s) and packing %d conversations into %d-token sequences with Ray Data",
-             cfg.tokenizer, num_rows, cfg.seq_len)
+    missing = [c for c in TOKENIZED_COLUMNS if c not in names]
+    if missing:
+        raise RaytrainError(f"{files[0]} has no {missing} column(s): enriched data written before the enrichment "
+                            "stored token ids. Re-run the enrichment (a new storage.run_name).")
+    columns = [*TOKENIZED_COLUMNS, "split"] if weights else list(TOKENIZED_COLUMNS)
+    log.info("dataset: packing %d tokenized conversations (%s) into %d-token sequences with Ray Data",
+             num_rows, cfg.tokenizer, cfg.seq_len)
     ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=columns)
-    validation, held_out = None, {"rows": 0, "num_packs": 0, "num_real_tokens": 0, "files": [], "fraction": fraction}
     train_ds = ds if fraction == 0 and not weights else ds.map_batches(
         _rows_of_role, batch_format="pandas", fn_kwargs={"fraction": fraction, "validation": False,
                                                          "weights": weights})
-    out_files, num_packs, num_tokens = _pack(train_ds, packed, cfg)
+    train = _pack(train_ds, packed, cfg)
+    if train is None:
+        raise RaytrainError(f"no training sequence packed from {enriched.uri} ({num_rows} rows, validation "
+                            f"fraction {fraction:.4f}): keep more rows, or lower dataset.validation_fraction.")
+    validation, held_out_rows = None, 0
     if fraction > 0:
         held_out_ds = ds.map_batches(_rows_of_role, batch_format="pandas",
                                      fn_kwargs={"fraction": fraction, "validation": True}).materialize()
-        held_out["rows"] = held_out_ds.count()
-        if held_out["rows"]:
-            folder = packed.join("validation")
-            val_files, val_packs, val_tokens = _pack(held_out_ds, folder, cfg)
-            held_out.update(num_packs=val_packs, num_real_tokens=val_tokens,
-                            files=[p.rsplit("/", 1)[-1] for p in val_files])
-            validation = PackedData(folder, tuple(val_files), val_packs, val_tokens)
-    benchmark, bench = None, {"items": len(eval_records), "num_packs": 0, "num_real_tokens": 0, "files": []}
+        held_out_rows = held_out_ds.count()
+        validation = _pack(held_out_ds, packed.join("validation"), cfg) if held_out_rows else None
+    benchmark, bench = None, {"items": len(eval_records)}
     if eval_records:
         conversations, bench["skipped"] = benchmark_conversations(eval_records, cfg)
         bench["conversations"] = len(conversations)
         if len(conversations):
-            folder = packed.join("benchmark")
-            files_b, packs_b, tokens_b = _pack(ray.data.from_pandas(conversations), folder, cfg)
-            bench.update(num_packs=packs_b, num_real_tokens=tokens_b, files=[p.rsplit("/", 1)[-1] for p in files_b])
-            benchmark = PackedData(folder, tuple(files_b), packs_b, tokens_b)
+            benchmark = _pack(ray.data.from_pandas(conversations), packed.join("benchmark"), cfg)
         log.info("dataset: benchmark loss on %d of %d eval items (left out: %d without a question and answer, %d "
                  "longer than seq_len) -> %d packed sequences", len(conversations), len(eval_records),
-                 bench["skipped"]["no_question_answer"], bench["skipped"]["longer_than_seq_len"], bench["num_packs"])
-    manifest = {"data_hash": data_hash, "num_packs": num_packs, "num_real_tokens": num_tokens,
-                "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer,
-                "files": [p.rsplit("/", 1)[-1] for p in out_files], "rows": num_rows - held_out["rows"],
-                "validation": held_out, "benchmark": bench}
+                 bench["skipped"]["no_question_answer"], bench["skipped"]["longer_than_seq_len"],
+                 benchmark.num_packs if benchmark else 0)
+    manifest = {"data_hash": data_hash, "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer,
+                **_entry(train, rows=num_rows - held_out_rows),
+                "validation": _entry(validation, rows=held_out_rows, fraction=fraction),
+                "benchmark": _entry(benchmark, **bench)}
     if weights:
         manifest["mixture"] = {"weights": weights, "per_split": _mixture_counts(enriched, files, fraction, weights)}
         for split, n in manifest["mixture"]["per_split"].items():
@@ -238,11 +243,11 @@ def tokenize_and_pack(enriched: StorageLocation, packed: StorageLocation, cfg: D
                      n["sampled_rows"])
     packed.join(MANIFEST).write_atomic(json.dumps(manifest, indent=2))
     log.info("dataset: %d conversations -> %d packed sequences of %d tokens (%d real tokens, %.1f%% fill) in %.1fs",
-             num_rows - held_out["rows"], num_packs, cfg.seq_len, num_tokens,
-             100.0 * num_tokens / max(1, num_packs * cfg.seq_len), time.perf_counter() - t0)
+             num_rows - held_out_rows, train.num_packs, cfg.seq_len, train.num_real_tokens,
+             100.0 * train.num_real_tokens / max(1, train.num_packs * cfg.seq_len), time.perf_counter() - t0)
     log.info("dataset: %d conversations held out for validation (uuid hash < %.4f) -> %d packed sequences",
-             held_out["rows"], fraction, held_out["num_packs"])
-    return PackedData(packed, tuple(out_files), num_packs, num_tokens, validation, benchmark)
+             held_out_rows, fraction, validation.num_packs if validation else 0)
+    return PackedData(packed, train.files, train.num_packs, train.num_real_tokens, validation, benchmark)
 
 
 def _read_micro_batches(batch: dict[str, np.ndarray], folder_uri: str, files: tuple[str, ...],

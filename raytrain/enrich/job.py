@@ -1,15 +1,20 @@
 """The enrichment job on Spark-on-Ray: Nemotron Parquet in -> enriched + quarantine Parquet out, with a manifest
 and a run report.
 
-    read -> derive -> license -> exact_dedup -> near_dedup -> decontaminate -> select_context -> tokenize_check
+    read -> pass 1 (derive, license, dedup keys, eval n-grams) -> dedup (narrow) -> pass 2 (selection, corpus
+    context, tokenization) -> write enriched, write quarantine -> two statistics rollups
 
-Each step (``steps.py``) passes rows on or quarantines them with a reason; the job materializes every step's
-output once (persist + count), logs the counts, and checks that no row went missing: rows_in == rows_out +
-quarantined, per step and overall. Outputs, under the run's ``data/`` folder:
+``steps.py`` has the passes. Every row carries a status ("ok" or its quarantine reason) from pass 1 on; the
+per-step counts come from one aggregation of it, and the job checks on the written Parquet footers that no row
+went missing: rows in == enriched + quarantined. Spark actions per enrichment (no corpus): the verified pairs'
+collect (which runs pass 1 and the dedup), one per write, two statistics rollups; no global sort
+(benchmarks/bench_enrich.py counts the jobs Spark runs for them). Outputs, under the run's ``data/`` folder:
 
-- ``data/enriched/part-*.parquet``: kept rows sorted by uuid (flat files, one per Spark partition), with the
-  audit columns of the selection (``context_sentences``, ``kept_indices``, ``kept_sentences``, ``sentence_scores``,
-  ``question_scores``, ``answer_scores``), ``num_tokens`` and the training conversation ``messages_json``.
+- ``data/enriched/part-*.parquet``: kept rows, files hash-partitioned by uuid and sorted by uuid within each
+  (the same files and order on every run of the same inputs and config), with the audit columns of the selection
+  (``context_sentences``, ``kept_indices``, ``kept_sentences``, ``sentence_scores``, ``question_scores``,
+  ``answer_scores``), the token ids and loss mask (``input_ids``, ``loss_mask``: packing never tokenizes again),
+  ``num_tokens`` and the training conversation ``messages_json``.
 - ``data/quarantine/part-*.parquet``: ``uuid, split, category, reason, detail`` for every row not kept.
 - ``data/enriched/_manifest.json``, written last: row counts, files, the config hash, the eval sets' sha256.
 - ``reports/enrich_summary.txt`` here, ``reports/enrich_report.json`` by the runner (the report dict).
@@ -42,11 +47,12 @@ import pyarrow.parquet as pq
 
 from raytrain.config import JobConfig
 from raytrain.console import QUIET
+from raytrain.enrich.conversation import QUARANTINE_REASONS
 from raytrain.enrich.corpus import check_corpus
-from raytrain.enrich.corpus_udfs import CORPUS_COLUMNS
 from raytrain.enrich.decontam import build_eval_index, eval_text, iter_eval_records
 from raytrain.enrich.inputs import discover_inputs, validate_inputs
-from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, merge_reasons, summary_text
+from raytrain.enrich.report import STEP_REASONS_AFTER_DERIVE, dedup_ratio, enrich_config_hash, step_counts, summary_text
+from raytrain.enrich.udfs import CONTAMINATED, OK, build_sorted_index
 from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation, resolve
 from raytrain.telemetry import record_enrich_step, record_quarantine
@@ -103,36 +109,11 @@ def load_eval_texts(eval_sets: tuple[str, ...], input_root: StorageLocation, s3_
 
 @dataclass
 class EnrichSession:
-    """What `enrich_in_session` leaves behind: the result, and the final Spark DataFrame (persisted) for callers
-    that still hold the Spark session (the benchmark's from_spark hand-off)."""
+    """What `enrich_in_session` leaves behind: the result, and the finished Spark DataFrame (persisted, every row
+    with its ``status``) for callers that still hold the Spark session (the benchmark's from_spark hand-off)."""
 
     result: EnrichResult
     frame: Any
-
-
-def _materialize(step, rows_in: int, t0: float, prev_kept) -> tuple[Any, StepCounts, dict[str, Any] | None]:
-    """Persist and count a step's outputs (running it once), compute the step's statistics (``step.stats``) on
-    its shared frame, unpersist what the step no longer needs."""
-    from pyspark import StorageLevel
-    from pyspark.sql import functions as F
-
-    if step.shared is not None:
-        step.shared.persist(StorageLevel.MEMORY_AND_DISK)
-    kept = step.kept.persist(StorageLevel.MEMORY_AND_DISK)
-    rows_out = kept.count()
-    quarantined = step.quarantined.persist(StorageLevel.MEMORY_AND_DISK)
-    per_reason = {r["reason"]: int(r["count"]) for r in quarantined.groupBy("reason").agg(F.count("*").alias("count"))
-                  .collect()}
-    stats = step.stats(step.shared) if step.stats is not None else None
-    if step.shared is not None:
-        step.shared.unpersist()
-    if prev_kept is not None:
-        prev_kept.unpersist()
-    counts = StepCounts(step.name, rows_in, rows_out, per_reason, time.perf_counter() - t0)
-    log.info("enrich step %-15s %7d in -> %7d kept, %d quarantined %s (%.1fs)", step.name, rows_in, rows_out,
-             sum(per_reason.values()), per_reason or "", counts.seconds)
-    counts.check()
-    return kept, counts, stats
 
 
 def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
@@ -142,6 +123,8 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     ``eval_sets`` overrides ``job.enrich.eval_sets`` (the runner passes them resolved). Raises RaytrainError for
     bad inputs, AssertionError when rows go missing (a bug).
     """
+    from pyspark.sql import functions as F
+
     from raytrain.enrich import steps
 
     t_start = time.perf_counter()
@@ -163,102 +146,111 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     log.info("enrich: %d rows in %d files (%s); %d eval items (%d %d-grams) from %d file(s)", rows_in,
              sum(len(v) for v in files.values()), ", ".join(f"{k}={v}" for k, v in rows_per_split.items()),
              len(evals.texts), len(eval_index), cfg.decontam_ngram, len(evals.sources))
-
     corpus_files = check_corpus(cfg.context_corpus, cfg.corpus_id_field, cfg.corpus_text_field, input_root,
                                 job.storage.s3_endpoint or None) if cfg.context_corpus else None
-    corpus: dict[str, Any] = {}
+    sc = spark.sparkContext
+    eval_array = sc.broadcast(build_sorted_index(eval_index))
+    passes: dict[str, float] = {}
 
-    def corpus_step(df):
-        from raytrain.enrich.corpus_table import ann_recall, ensure_table, load_corpus_index
+    t0 = time.perf_counter()
+    raw = steps.read_inputs(spark, {k: [loc.spark_uri for loc in v] for k, v in files.items()}, job.data.max_rows)
+    prepared = steps.prepare(raw, eval_array, job)
+    flags = steps.duplicates(spark, prepared, job).persist()  # collecting the verified pairs runs pass 1
+    passes["prepare_and_dedup"] = time.perf_counter() - t0
+    log.info("enrich: pass 1 (derive, license, dedup keys, eval n-grams) and dedup (exact groups, LSH buckets, "
+             "clusters) over %d rows (%.1fs)", rows_in, passes["prepare_and_dedup"])
+
+    corpus: dict[str, Any] = {}
+    shipped = None
+    if corpus_files:
+        from raytrain.enrich.corpus_table import ensure_table, load_corpus_index
 
         t0 = time.perf_counter()
         folder, meta, reused = ensure_table(spark, corpus_files, cfg, run_root)
         index = load_corpus_index(folder, meta["key"], eval_index, cfg.decontam_ngram, cfg.corpus_exact_max_sentences)
-        recall = ann_recall(df, index, cfg) if index.ann is not None else None
-        corpus.update(table_uri=folder.uri, table=meta, reused=reused,
-                      sentences_embedded_this_run=0 if reused else meta["sentences"], index=index.stats,
-                      recall=recall, prepare_seconds=round(time.perf_counter() - t0, 2))
-        return steps.corpus_context(spark, df, index, eval_index, job)
-
-    raw = steps.read_inputs(spark, {k: [loc.spark_uri for loc in v] for k, v in files.items()}, job.data.max_rows)
-    chain = [
-        lambda df: steps.derive(df, job),
-        lambda df: steps.license_filter(df, job),
-        steps.exact_dedup,
-        lambda df: steps.near_dedup(spark, df, job),
-        lambda df: steps.decontaminate(spark, df, eval_index, job),
-        lambda df: steps.select_context(df, job),
-        *([corpus_step] if corpus_files else []),
-        lambda df: steps.tokenize_check(df, job),
-    ]
-    df, prev, n, counts, quarantined, step_stats = raw, None, rows_in, [], [], {}
-    for make_step in chain:
-        t0 = time.perf_counter()
-        step = make_step(df)
-        df, c, extra = _materialize(step, n, t0, prev)
-        if extra is not None:
-            step_stats[step.name] = extra
-        prev, n = df, c.rows_out
-        counts.append(c)
-        record_enrich_step(job.storage.run_name, c.step, c.rows_in, c.seconds)  # dashboard: rows/s per step
-        quarantined.append(step.quarantined)
+        shipped = sc.broadcast(index)
+        corpus.update(table_uri=folder.uri, table=meta, reused=reused, index=index.stats,
+                      sentences_embedded_this_run=0 if reused else meta["sentences"],
+                      prepare_seconds=round(time.perf_counter() - t0, 2))
+        passes["corpus_table"] = corpus["prepare_seconds"]
 
     t0 = time.perf_counter()
-    out = steps.output_columns(df, CORPUS_COLUMNS if corpus_files else ()).orderBy("uuid")
-    out.write.mode("overwrite").parquet(enriched.spark_uri)
-    all_bad = quarantined[0]
-    for q in quarantined[1:]:
-        all_bad = all_bad.unionByName(q)
-    all_bad.orderBy("reason", "uuid").write.mode("overwrite").parquet(quarantine.spark_uri)
+    finished = steps.finish(spark, prepared, flags, job, corpus=shipped, eval_index=eval_array)
+    finished.filter(F.col("status") == OK).select(*steps.enriched_columns(bool(corpus_files))) \
+        .write.mode("overwrite").parquet(enriched.spark_uri)
+    prepared.unpersist()
+    flags.unpersist()
+    passes["finish"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    finished.filter(F.col("status") != OK).select(
+        *(F.col(c) for c in ("uuid", "split", "category")), F.col("status").alias("reason"), F.col("detail")) \
+        .write.mode("overwrite").parquet(quarantine.spark_uri)
+    passes["write_quarantine"] = time.perf_counter() - t0
+    log.info("enrich: pass 2 (selection%s, tokenization) wrote %s (%.1fs) and %s (%.1fs)",
+             ", corpus context" if corpus_files else "", enriched.uri, passes["finish"], quarantine.uri,
+             passes["write_quarantine"])
 
-    log.info("enrich: wrote %s and %s (%.1fs)", enriched.uri, quarantine.uri, time.perf_counter() - t0)
-    per_reason = merge_reasons(counts)
+    t0 = time.perf_counter()
+    reasons = (*QUARANTINE_REASONS, *STEP_REASONS_AFTER_DERIVE)
+    rows = steps.row_stats(finished, job.dataset.seq_len, reasons, bool(corpus_files))
+    sentences = steps.sentence_stats(finished, bool(corpus_files))
+    overall = rows["overall"]
+    if overall.get("status", {}).get("other"):
+        raise AssertionError(f"enrich: {overall['status']['other']} rows with a status outside the known reasons "
+                             "(a bug)")
+    status = overall.get("status", {})
+    per_reason = {r: n for r, n in sorted(status.items()) if r != OK}
+    counts = step_counts(rows_in, per_reason, corpus=bool(corpus_files))
+    for c in counts:
+        log.info("enrich step %-15s %7d in -> %7d kept, %d quarantined %s", c.step, c.rows_in, c.rows_out,
+                 sum(c.quarantined.values()), c.quarantined or "")
     record_quarantine(job.storage.run_name, per_reason)
-    rows_out = n
+    for name, seconds in passes.items():
+        record_enrich_step(job.storage.run_name, name, rows_in, seconds)  # dashboard: rows/s per pass
+    rows_out = status.get(OK, 0)
     enriched_files, enriched_rows = _footer_rows(enriched)
     quarantine_files, quarantine_rows = _footer_rows(quarantine)
     # Nothing dropped silently: checked on what was actually written, by reading the Parquet footers.
     if not rows_in == enriched_rows + quarantine_rows == rows_out + sum(per_reason.values()):
         raise AssertionError(f"enrich: {rows_in} rows in but {enriched_rows} written + {quarantine_rows} quarantined "
-                             f"(steps say {rows_out} + {sum(per_reason.values())}); rows went missing (a bug)")
+                             f"(status counts say {rows_out} + {sum(per_reason.values())}); rows went missing (a bug)")
 
-    # Statistics from the files just written, not from the step chain: a DataFrame read back from Parquet has a
-    # one-node plan, while the chain's plan (every step, 14 cached frames) took Spark's planner seconds per query.
-    # The final frame stays cached for callers holding the session (EnrichSession.frame); Spark's stop frees it.
-    for q in quarantined:
-        q.unpersist()
     contaminated = [{"uuid": r["uuid"], "split": r["split"], "detail": r["detail"]} for r in sorted(
         pq.read_table(quarantine.path, filesystem=quarantine.filesystem, columns=["uuid", "split", "reason", "detail"],
-                      filters=[("reason", "=", "contaminated")]).to_pylist(), key=lambda r: r["uuid"])]
-    stats = steps.selection_stats(spark.read.parquet(enriched.spark_uri))
-    quarantined_per_split: dict[str, dict[str, int]] = {}
-    for r in spark.read.parquet(quarantine.spark_uri).groupBy("split", "reason").count().collect():
-        quarantined_per_split.setdefault(r["split"], {})[r["reason"]] = int(r["count"])
+                      filters=[("reason", "=", CONTAMINATED)]).to_pylist(), key=lambda r: r["uuid"])]
+    empty_scores = {"all_sentences": {"count": 0}, "kept_sentences": {"count": 0}, "question": {"count": 0},
+                    "answer": {"count": 0}}
+    sel_overall = {k: v for k, v in (sentences["overall"] or empty_scores).items() if k != "corpus"}
     config_hash = enrich_config_hash(job)
     manifest_loc = enriched.join(MANIFEST)
     report: dict[str, Any] = {
         "run_uri": run_root.uri, "config_hash": config_hash,
         "rows_in": rows_in, "rows_in_per_split": rows_per_split, "rows_out": rows_out,
         "quarantined": per_reason, "quarantined_total": sum(per_reason.values()),
-        "quarantined_per_split": {k: dict(sorted(v.items())) for k, v in sorted(quarantined_per_split.items())},
-        "rows_out_per_split": {k: v["rows"] for k, v in stats["per_split"].items()},
+        "quarantined_per_split": {k: {r: n for r, n in sorted(v["status"].items()) if r != OK}
+                                  for k, v in rows["per_split"].items()
+                                  if any(r != OK for r in v["status"])},
+        "rows_out_per_split": {k: v["rows"] for k, v in rows["per_split"].items() if v["rows"]},
         "steps": [c.to_dict() for c in counts], "dedup_ratio": dedup_ratio(counts),
+        "passes": {k: round(v, 2) for k, v in passes.items()},
         "decontamination": {"count": len(contaminated), "ngram": cfg.decontam_ngram, "eval_sets": evals.sources,
                             "eval_ngrams": len(eval_index), "rows": contaminated},
         "similarity": {"question_weight": cfg.question_weight, "top_k": cfg.top_k, "min_score": cfg.min_score,
-                       "system_prompt": cfg.system_prompt, "answer_text": cfg.answer_text,
-                       **{k: stats[k] for k in ("all_sentences", "kept_sentences", "question", "answer",
-                                                "rows_with_candidates", "rows_with_context_added",
-                                                "rows_chunked", "texts_chunked",
-                                                "system_prompts_changed", "system_prompt_chars_removed")},
-                       "per_split": {split: {k: v for k, v in d.items() if k != "tokens"}
-                                     for split, d in stats["per_split"].items()}},
-        "tokenizer": job.dataset.tokenizer, "tokens": stats["tokens"],
+                       "system_prompt": cfg.system_prompt, "answer_text": cfg.answer_text, **sel_overall,
+                       **{k: overall.get(k, 0) for k in SELECTION_ROW_COUNTS},
+                       "per_split": {split: {"rows": d["rows"], **{k: d[k] for k in SELECTION_ROW_COUNTS},
+                                             **{k: d[k] for k in ("dropped_text_turns", "dropped_text_chars",
+                                                                  "dropped_text_rows")},
+                                             **{k: v for k, v in sentences["per_split"].get(split, empty_scores)
+                                                .items() if k != "corpus"}}
+                                     for split, d in rows["per_split"].items() if d["rows"]}},
+        "tokenizer": job.dataset.tokenizer, "tokens": overall.get("tokens", {"count": 0}),
         "length": {"policy": job.dataset.length_policy, "seq_len": job.dataset.seq_len,
-                   **step_stats.get("tokenize_check", {"overall": {}, "per_split": {}})},
-        "text_with_tool_calls": {"policy": job.dataset.text_with_tool_calls, "rows": stats["dropped_text_rows"],
-                                 "turns_text_dropped": stats["dropped_text_turns"],
-                                 "chars_text_dropped": stats["dropped_text_chars"]},
+                   "overall": overall.get("length", {}),
+                   "per_split": {k: v["length"] for k, v in rows["per_split"].items() if v["length"]["tokens"]["count"]}},
+        "text_with_tool_calls": {"policy": job.dataset.text_with_tool_calls, "rows": overall.get("dropped_text_rows", 0),
+                                 "turns_text_dropped": overall.get("dropped_text_turns", 0),
+                                 "chars_text_dropped": overall.get("dropped_text_chars", 0)},
         "inputs": {"layout": inputs.layout, "root": inputs.root.uri,
                    "files": {k: [loc.name for loc in v] for k, v in files.items()},
                    "missing_shards": inputs.missing_shards, "rows_in_files": {k: v["rows"] for k, v in footers.items()}},
@@ -266,14 +258,22 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         "summary_uri": run_root.join("reports", "enrich_summary.txt").uri,
     }
     if corpus_files:
-        report["corpus"] = _corpus_report(corpus, steps.corpus_stats(spark.read.parquet(enriched.spark_uri)),
-                                          corpus_files, counts, cfg)
-    log.info("enrich: report statistics computed (%.1fs)", time.perf_counter() - t0)
+        from raytrain.enrich.corpus_table import ann_recall
+
+        index = shipped.value
+        corpus["recall"] = ann_recall(finished.filter(F.col("status") == OK), index, cfg) \
+            if index.ann is not None else None
+        corpus_rows = {"overall": overall, "per_split": {k: v for k, v in rows["per_split"].items() if v["rows"]}}
+        report["corpus"] = _corpus_report(corpus, corpus_rows, sentences, steps.top_documents(finished), corpus_files, cfg)
+    passes["statistics"] = time.perf_counter() - t0
+    report["passes"]["statistics"] = round(passes["statistics"], 2)
+    log.info("enrich: report statistics computed (%.1fs)", passes["statistics"])
     report["seconds"] = round(time.perf_counter() - t_start, 2)
     manifest = {
         "config_hash": config_hash, "created_unix_s": round(time.time(), 3), "rows_in": rows_in,
         "rows_in_per_split": rows_per_split,
-        "enriched": {"rows": enriched_rows, "files": enriched_files, "sorted_by": "uuid"},
+        "enriched": {"rows": enriched_rows, "files": enriched_files, "sorted_by": "uuid within each file",
+                     "partitioned_by": "hash of uuid"},
         "quarantine": {"uri": quarantine.uri, "rows": quarantine_rows, "files": quarantine_files,
                        "per_reason": per_reason},
         "eval_sets": evals.sources, "config": {k: job.to_dict()[k] for k in ("data", "enrich", "dataset")},
@@ -286,15 +286,19 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     log.info("enrich summary:\n%s", summary, extra={QUIET: False})  # screens of text: the log file only
     log.info("enrich: %d rows in -> %d kept, %d quarantined (%s); summary in %s", rows_in, enriched_rows,
              quarantine_rows, ", ".join(f"{k} {v}" for k, v in per_reason.items()) or "none", summary_loc.uri)
-    return EnrichSession(EnrichResult(enriched=enriched, quarantine=quarantine, report=report), df)
+    return EnrichSession(EnrichResult(enriched=enriched, quarantine=quarantine, report=report), finished)
 
 
-def _corpus_report(prepared: dict[str, Any], stats: dict[str, Any], files, counts: list[StepCounts], cfg
-                   ) -> dict[str, Any]:
+SELECTION_ROW_COUNTS = ("rows_with_candidates", "rows_with_context_added", "rows_chunked", "texts_chunked",
+                        "system_prompts_changed", "system_prompt_chars_removed")
+
+
+def _corpus_report(prepared: dict[str, Any], rows: dict[str, Any], sentences: dict[str, Any],
+                   top_documents: list[dict[str, Any]], files, cfg) -> dict[str, Any]:
     """report["corpus"]: the files, the table (reused or embedded now, and how long that took), the eval filter,
     the search method and its recall, per-split row paths, score distributions and the most-used documents."""
-    step = next(c for c in counts if c.step == "corpus_context")
     table = prepared["table"]
+    empty = {"scores": {"count": 0}, "question": {"count": 0}, "answer": {"count": 0}}
     return {
         "files": [{"uri": f.loc.uri, "sha256": f.sha256, "records": f.records} for f in files],
         "id_field": cfg.corpus_id_field, "text_field": cfg.corpus_text_field,
@@ -308,8 +312,12 @@ def _corpus_report(prepared: dict[str, Any], stats: dict[str, Any], files, count
         "method": prepared["index"]["method"], "exact_max_sentences": cfg.corpus_exact_max_sentences,
         "ann_build_seconds": prepared["index"]["ann_build_seconds"], "recall": prepared["recall"],
         "prepare_seconds": prepared["prepare_seconds"],
-        "retrieve_seconds": round(step.seconds - prepared["prepare_seconds"], 2),
-        "top_k": cfg.top_k, "min_score": cfg.min_score, "question_weight": cfg.question_weight, **stats,
+        "top_k": cfg.top_k, "min_score": cfg.min_score, "question_weight": cfg.question_weight,
+        "rows": rows["overall"].get("rows", 0), **rows["overall"].get("corpus", {}),
+        **(sentences["overall"] or {}).get("corpus", empty), "top_documents": top_documents,
+        "per_split": {k: {"rows": v["rows"], **v.get("corpus", {}),
+                          **sentences["per_split"].get(k, {}).get("corpus", empty)}
+                      for k, v in rows["per_split"].items()},
     }
 
 

@@ -23,6 +23,14 @@ def enrich_config_hash(job: JobConfig) -> str:
     return hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:16]
 
 
+STEP_REASONS_AFTER_DERIVE = ("license", "exact_duplicate", "near_duplicate", "contaminated", "untokenizable",
+                             "too_many_tokens")
+"""The quarantine reasons after derive's (conversation.QUARANTINE_REASONS), in the order the steps decide them."""
+_STEPS = (("license", ("license",)), ("exact_dedup", ("exact_duplicate",)), ("near_dedup", ("near_duplicate",)),
+          ("decontaminate", ("contaminated",)), ("select_context", ()), ("corpus_context", ()),
+          ("tokenize_check", ("untokenizable", "too_many_tokens")))
+
+
 @dataclass
 class StepCounts:
     """Rows into and out of one step, and what it quarantined, by reason."""
@@ -31,7 +39,6 @@ class StepCounts:
     rows_in: int
     rows_out: int
     quarantined: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
 
     def check(self) -> None:
         """A step must account for every row it received."""
@@ -42,16 +49,26 @@ class StepCounts:
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "rows_in": self.rows_in, "rows_out": self.rows_out,
-                "quarantined": dict(sorted(self.quarantined.items())), "seconds": round(self.seconds, 2)}
+                "quarantined": dict(sorted(self.quarantined.items()))}
 
 
-def merge_reasons(steps: list[StepCounts]) -> dict[str, int]:
-    """Quarantined rows per reason over all steps."""
-    total: dict[str, int] = {}
-    for s in steps:
-        for reason, n in s.quarantined.items():
-            total[reason] = total.get(reason, 0) + n
-    return dict(sorted(total.items()))
+def step_counts(rows_in: int, per_reason: dict[str, int], corpus: bool) -> list[StepCounts]:
+    """Rows in, kept and quarantined per step, from the rows per quarantine reason (every reason belongs to the one
+    step that decides it; derive's are the rest). The steps run fused in two passes, so they have no times of their
+    own (report["passes"] has those). Raises AssertionError when the counts do not add up (a bug)."""
+    derive = {r: n for r, n in per_reason.items() if r not in STEP_REASONS_AFTER_DERIVE and n}
+    out = [StepCounts("derive", rows_in, rows_in - sum(derive.values()), derive)]
+    for step, reasons in _STEPS:
+        if step == "corpus_context" and not corpus:
+            continue
+        q = {r: per_reason[r] for r in reasons if per_reason.get(r)}
+        n = out[-1].rows_out
+        out.append(StepCounts(step, n, n - sum(q.values()), q))
+    for c in out:
+        c.check()
+        if c.rows_out < 0:
+            raise AssertionError(f"enrich step {c.step}: {c.rows_out} rows out (a bug)")
+    return out
 
 
 def dedup_ratio(steps: list[StepCounts]) -> float:
@@ -118,10 +135,12 @@ def summary_text(report: dict[str, Any]) -> str:
     if inputs:
         lines.append(f"inputs: {inputs['layout']} layout at {inputs['root']}")
         lines += [f"  {k}: missing shards {', '.join(v)}" for k, v in inputs.get("missing_shards", {}).items()]
-    lines += ["", *_split_lines(report), "", f"{'step':<16}{'in':>8}{'out':>8}{'s':>8}  quarantined"]
+    lines += ["", *_split_lines(report), "", f"{'step':<16}{'in':>8}{'out':>8}  quarantined"]
     for s in report["steps"]:
         q = ", ".join(f"{k} {v}" for k, v in s["quarantined"].items()) or "-"
-        lines.append(f"{s['step']:<16}{s['rows_in']:>8}{s['rows_out']:>8}{s['seconds']:>8.1f}  {q}")
+        lines.append(f"{s['step']:<16}{s['rows_in']:>8}{s['rows_out']:>8}  {q}")
+    if report.get("passes"):
+        lines.append("passes: " + ", ".join(f"{k} {v:.1f} s" for k, v in report["passes"].items()))
     lines += ["", "quarantined by reason: "
               + (", ".join(f"{k} {v}" for k, v in report["quarantined"].items()) or "none"),
               f"dedup ratio {100 * report['dedup_ratio']:.2f}% of rows reaching dedup "
@@ -175,7 +194,7 @@ def _corpus_lines(c: dict[str, Any]) -> list[str]:
              f"{c['sentences_split']} sentences split, {c['duplicates_collapsed']} exact duplicates collapsed, "
              f"{c['sentences']} in the table; {table}",
              f"  removed as contaminated (an n-gram shared with the eval sets): {c['contaminated_removed']}; "
-             f"searchable {c['searchable']}; search {search}; retrieval {c['retrieve_seconds']:.1f} s",
+             f"searchable {c['searchable']}; search {search}",
              f"  rows given corpus context: {c['rows_added']} of {c['rows']} (own context {c['rows_own_context']}, "
              f"nothing >= min_score {c['min_score']}: {c['rows_below_min_score']}); sentences added "
              f"{c['sentences_added']}, dropped at the block's eval check {c['sentences_dropped_at_block_check']}",

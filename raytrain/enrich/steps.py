@@ -1,23 +1,28 @@
-"""The enrichment steps as Spark DataFrame transforms: each takes the working table and returns what it keeps and
-what it quarantines, so a job is a straight chain and every row leaves through exactly one door.
+"""The enrichment as Spark DataFrame transforms, in two row passes and one narrow dedup in between:
 
-    read -> derive -> license -> exact_dedup -> near_dedup -> decontaminate -> select_context
-         [-> corpus_context, with enrich.context_corpus] -> tokenize_check
+    read -> prepare (one pass: derive, license, exact-dedup key, MinHash + LSH band keys, eval n-gram count)
+         -> duplicates (narrow columns only: exact groups and LSH buckets verified in Spark, clusters of the
+            verified pairs on the driver)
+         -> finish (one pass over the rows still kept: selection, corpus context, tokenization to ids)
 
-Per-batch row logic is in ``udfs.py`` (plain pandas, unit-tested); this module only wires it into Spark:
-schemas, windows, groupings, joins. Only the enrich stage imports pyspark.
+Every row carries a ``status`` column from the first pass on ("ok" or the reason it is quarantined), so every row
+leaves through exactly one door and the per-step counts come from one aggregation of that column. Per-batch row
+logic is in ``udfs.py`` (plain pandas, unit-tested), whose pyarrow schemas describe the tables; this module only
+wires it into Spark. Only the enrich stage imports pyspark.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
+import pyarrow as pa
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
+from pyspark.sql.pandas.types import from_arrow_schema
 
 from raytrain.config import JobConfig
 from raytrain.enrich import udfs
@@ -27,35 +32,17 @@ log = logging.getLogger(__name__)
 
 NUM_PERM = 128  # MinHash permutations: standard error of the Jaccard estimate ~0.035 at 0.8
 SHINGLE_CHARS = 5  # character 5-grams of the normalized text
-
-_WORK_SCHEMA = ("row_id long, split string, uuid string, category string, license string, reasoning string, "
-                "context string, question string, answer string, text string, messages_json string")
-_DERIVED_SCHEMA = ("row_id long, split string, uuid string, category string, license string, reasoning string, "
-                   "status string, detail string, context string, question string, answer string, "
-                   "text string, messages_json string")
-_SELECTION_SCHEMA = ("context_sentences array<string>, kept_indices array<int>, kept_sentences array<string>, "
-                     "sentence_scores array<float>, question_scores array<float>, answer_scores array<float>, "
-                     "chunked_texts long, system_prompt_chars_removed long")
+TORCH_THREADS_PER_TASK = 1
+"""Torch threads of each Python worker. Spark runs ``executor_cores`` tasks at once per executor (spark.task.cpus
+is 1), each in its own Python worker: one thread each keeps workers x threads = the executor's cores."""
 QUARANTINE_COLUMNS = ("uuid", "split", "category", "reason", "detail")
+ROW_COLUMNS = ("uuid", "split", "category", "license", "reasoning", "context", "question", "answer")
+"""The enriched table's identity and derived-text columns; the audit columns come from udfs' schemas."""
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one step did: the rows it passes on and the rows it quarantined (QUARANTINE_COLUMNS)."""
-
-    name: str
-    kept: DataFrame
-    quarantined: DataFrame
-    shared: DataFrame | None = None
-    """A frame both outputs are computed from: the job persists it while it materializes them (so the expensive
-    part runs once) and unpersists it afterwards."""
-    stats: Callable[[DataFrame], dict[str, Any]] | None = None
-    """Statistics the report needs from ``shared`` (quarantined rows included), computed while it is persisted."""
-
-
-def _quarantine(df: DataFrame, reason: F.Column | str, detail: F.Column) -> DataFrame:
-    reason_col = F.lit(reason) if isinstance(reason, str) else reason
-    return df.select("uuid", "split", "category", reason_col.alias("reason"), detail.alias("detail"))
+def spark_schema(schema: pa.Schema) -> T.StructType:
+    """A udfs pyarrow schema as the Spark schema mapInPandas / applyInPandas declare."""
+    return from_arrow_schema(schema)
 
 
 def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int) -> DataFrame:
@@ -73,169 +60,96 @@ def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int)
     return df.withColumn("row_id", F.monotonically_increasing_id())
 
 
-def derive(raw: DataFrame, job: JobConfig) -> StepResult:
-    """Raw rows -> working rows (udfs.WORK_COLUMNS); malformed rows quarantined with conversation's reasons."""
-    body = udfs.map_batches(udfs.derive_batch, max_chars=job.enrich.max_chars)
-    derived = raw.repartition(job.enrich.num_partitions).mapInPandas(body, schema=_DERIVED_SCHEMA)
-    kept = derived.filter(F.col("status") == udfs.OK).select(*udfs.WORK_COLUMNS)
-    bad = derived.filter(F.col("status") != udfs.OK)
-    return StepResult("derive", kept, _quarantine(bad, F.col("status"), F.col("detail")), shared=derived)
+def prepare(raw: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
+    """Pass 1 (udfs.prepare_batch) over every raw row, spread over enrich.num_partitions; ``eval_index`` is the
+    broadcast sorted eval n-gram array. Persisted: the dedup reads its narrow columns, the finishing pass the rest."""
+    cfg = job.enrich
+    bands, rows = lsh_params(cfg.near_dup_threshold, NUM_PERM)
+
+    def body(batches):
+        for pdf in batches:
+            yield udfs.prepare_batch(pdf, max_chars=cfg.max_chars, licenses=cfg.licenses, num_perm=NUM_PERM,
+                                     bands=bands, rows=rows, shingle_chars=SHINGLE_CHARS, eval_index=eval_index.value,
+                                     ngram=cfg.decontam_ngram)
+
+    prepared = raw.repartition(cfg.num_partitions).mapInPandas(body, schema=spark_schema(udfs.PREPARED))
+    return prepared.persist(StorageLevel.MEMORY_AND_DISK)
 
 
-def license_filter(df: DataFrame, job: JobConfig) -> StepResult:
-    """Keep rows whose ``license`` (trimmed, case-insensitive) is in enrich.licenses."""
-    allowed = sorted({lic.strip().lower() for lic in job.enrich.licenses})
-    ok = F.lower(F.trim(F.coalesce(F.col("license"), F.lit("")))).isin(allowed)
-    detail = F.concat(F.lit("license '"), F.col("license"), F.lit(f"' not in enrich.licenses {allowed}"))
-    return StepResult("license", df.filter(ok), _quarantine(df.filter(~ok), udfs.LICENSE, detail))
+def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> DataFrame:
+    """(``row_id``, ``dup_reason``, ``dup_detail``) of every kept-so-far row that is an exact or near duplicate.
 
+    Exact: rows with the same key keep the smallest (uuid, row_id) (a window over the key, in Spark). Near, among
+    the exact survivors: rows sharing an LSH band key are candidates, each bucket verified in applyInPandas
+    (estimated Jaccard >= enrich.near_dup_threshold); the verified pairs come to the driver as Arrow columns and
+    are clustered there (udfs.near_duplicate_drops: connected components, so a chain a~b~c is one cluster even
+    when a and c differ more; each keeps its smallest (uuid, row_id)). Reads only the narrow columns (ids, keys,
+    signatures). The pairs' collect is the Spark job that runs pass 1.
 
-def exact_dedup(df: DataFrame) -> StepResult:
-    """Rows with the same normalized text (dedup.exact_key) keep one: the smallest uuid (then row_id)."""
-    key_udf = F.pandas_udf(udfs.exact_keys, returnType=T.StringType())
-    keyed = df.withColumn("_key", key_udf("text"))
-    w = Window.partitionBy("_key").orderBy("uuid", "row_id")
-    ranked = keyed.withColumn("_rank", F.row_number().over(w)).withColumn("_kept_uuid", F.first("uuid").over(w))
-    kept = ranked.filter(F.col("_rank") == 1).drop("_key", "_rank", "_kept_uuid")
-    dups = ranked.filter(F.col("_rank") > 1)
-    detail = F.concat(F.lit("duplicate of "), F.col("_kept_uuid"), F.lit(" (same normalized text)"))
-    return StepResult("exact_dedup", kept, _quarantine(dups, udfs.EXACT_DUPLICATE, detail), shared=ranked)
-
-
-def near_dedup(spark: SparkSession, df: DataFrame, job: JobConfig) -> StepResult:
-    """MinHash/LSH near-duplicates (estimated Jaccard of character 5-gram sets >= enrich.near_dup_threshold).
-
-    Signatures and band keys in a pandas UDF; band keys exploded and grouped in Spark (rows sharing a key are
-    candidates); each bucket verified in applyInPandas; the verified pairs (few: only near-duplicates) are
-    clustered on the driver (connected components) and each cluster keeps its smallest (uuid, row_id).
-    """
+    Why the components are not computed in Spark: large-star/small-star rounds (Kiveris et al. 2014, as
+    text-dedup's Spark job runs them) took 46-94 s for a five-edge graph on local Spark here (about 8 shuffles a
+    round, three rounds: the stage overhead of a 2-core machine), and ran the RayDP driver out of heap on the
+    sample. The driver holds only the verified pairs, ~100 bytes each (two row ids, two uuids, a Jaccard), not
+    the rows: 10 million near-duplicate pairs are ~1 GB, and scipy finds their components in seconds."""
     threshold = job.enrich.near_dup_threshold
-    bands, rows = lsh_params(threshold, NUM_PERM)
-    sig_body = udfs.map_batches(udfs.minhash_batch, num_perm=NUM_PERM, bands=bands, rows=rows, ngram=SHINGLE_CHARS)
-    sigs = df.select("row_id", "uuid", "text").mapInPandas(
-        sig_body, schema="row_id long, uuid string, signature binary, band_keys array<long>")
-    exploded = sigs.select("row_id", "uuid", "signature", F.explode("band_keys").alias("band_key"))
-    bucket_size = F.count("*").over(Window.partitionBy("band_key"))
-    candidates = exploded.withColumn("_n", bucket_size).filter(F.col("_n") > 1).drop("_n")
+    ok = prepared.filter(F.col("status") == udfs.OK).select("row_id", "uuid", "exact_key", "signature", "band_keys")
+    w = Window.partitionBy("exact_key").orderBy("uuid", "row_id")
+    ranked = ok.withColumn("_rank", F.row_number().over(w)).withColumn("_kept_uuid", F.first("uuid").over(w))
+    exact = ranked.filter(F.col("_rank") > 1).select(
+        "row_id", F.lit(udfs.EXACT_DUPLICATE).alias("dup_reason"),
+        F.concat(F.lit("duplicate of "), F.col("_kept_uuid"), F.lit(" (same normalized text)")).alias("dup_detail"))
+    survivors = ranked.filter(F.col("_rank") == 1)
+    exploded = survivors.select("row_id", "uuid", "signature", F.explode("band_keys").alias("band_key"))
+    candidates = exploded.withColumn("_n", F.count("*").over(Window.partitionBy("band_key"))).filter(
+        F.col("_n") > 1).drop("_n")
     pairs = candidates.groupBy("band_key").applyInPandas(
-        lambda pdf: udfs.verify_bucket(pdf, threshold),
-        schema="a_row_id long, a_uuid string, b_row_id long, b_uuid string, jaccard double",
-    ).dropDuplicates(["a_row_id", "b_row_id"])
-    verified = [((r.a_uuid, r.a_row_id), (r.b_uuid, r.b_row_id), r.jaccard) for r in pairs.collect()]
-    drops = udfs.near_duplicate_drops(verified)
-    log.info("near_dedup: LSH %d bands x %d rows, %d verified pairs, %d rows in clusters to drop",
-             bands, rows, len(verified), len(drops))
-    flags = spark.createDataFrame(
-        [(rid, f"near-duplicate of {d.kept[0]} (cluster kept; estimated Jaccard {d.jaccard:.3f} with "
-               f"{d.neighbor[0]})") for (_, rid), d in sorted(drops.items())],
-        schema="row_id long, detail string")
-    flagged = df.join(F.broadcast(flags), "row_id", "left")
-    kept = flagged.filter(F.col("detail").isNull()).drop("detail")
-    dups = flagged.filter(F.col("detail").isNotNull())
-    return StepResult("near_dedup", kept, _quarantine(dups, udfs.NEAR_DUPLICATE, F.col("detail")))
+        lambda pdf: udfs.verify_bucket(pdf, threshold), schema=spark_schema(udfs.PAIRS),
+    ).dropDuplicates(["a_row_id", "b_row_id"]).toPandas()
+    drops = udfs.near_duplicate_drops(pairs)
+    bands, rows = lsh_params(threshold, NUM_PERM)
+    log.info("near_dedup: LSH %d bands x %d rows, %d verified pairs, %d rows in clusters to drop", bands, rows,
+             len(pairs), len(drops))
+    near = spark.createDataFrame(drops, schema="row_id long, dup_detail string").select(
+        "row_id", F.lit(udfs.NEAR_DUPLICATE).alias("dup_reason"), "dup_detail")
+    return exact.unionByName(near)
 
 
-def decontaminate(spark: SparkSession, df: DataFrame, eval_hashes: set[int], job: JobConfig) -> StepResult:
-    """Drop rows sharing at least one word ``enrich.decontam_ngram``-gram with an eval item (index broadcast as a
-    sorted uint64 array); the detail says how many distinct n-grams matched."""
-    n = job.enrich.decontam_ngram
-    index = spark.sparkContext.broadcast(udfs.build_sorted_index(eval_hashes))
-
-    def body(batches):
-        for pdf in batches:
-            out = pdf.copy()
-            out["_matched"] = udfs.contamination_counts(pdf["text"], index.value, n)
-            yield out
-
-    counted = df.mapInPandas(body, schema=_WORK_SCHEMA + ", _matched long")
-    kept = counted.filter(F.col("_matched") == 0).drop("_matched")
-    bad = counted.filter(F.col("_matched") > 0)
-    detail = F.concat(F.col("_matched").cast("string"), F.lit(f" distinct {n}-grams shared with the eval sets"))
-    return StepResult("decontaminate", kept, _quarantine(bad, udfs.CONTAMINATED, detail), shared=counted)
-
-
-def select_context(df: DataFrame, job: JobConfig) -> StepResult:
-    """Relevance selection (udfs.select_batch): adds the score columns, rebuilds messages_json. Quarantines none."""
-    cfg = job.enrich
-    body = udfs.map_batches(udfs.select_batch, model_path=cfg.embedding_model, batch_size=cfg.embed_batch_size,
-                            top_k=cfg.top_k, min_score=cfg.min_score, question_weight=cfg.question_weight,
-                            system_prompt=cfg.system_prompt, answer_text=cfg.answer_text,
-                            num_threads=cfg.executor_cores)
-    selected = df.mapInPandas(body, schema=_WORK_SCHEMA + ", " + _SELECTION_SCHEMA)
-    none = df.sparkSession.createDataFrame([], schema=", ".join(f"{c} string" for c in QUARANTINE_COLUMNS))
-    return StepResult("select_context", selected, none)
-
-
-def corpus_context(spark: SparkSession, df: DataFrame, index: Any, eval_hashes: set[int], job: JobConfig
-                   ) -> StepResult:
-    """Context from the corpus (corpus_udfs.corpus_context_batch) for rows without context of their own: adds
-    corpus_udfs.CORPUS_COLUMNS, rebuilds messages_json. The CorpusIndex (embeddings, texts, the faiss index when
-    used) and the eval n-gram index are broadcast once. Quarantines none."""
-    from raytrain.enrich.corpus_udfs import CORPUS_SCHEMA, corpus_context_batch
-
-    cfg = job.enrich
-    shipped = spark.sparkContext.broadcast(index)
-    evals = spark.sparkContext.broadcast(udfs.build_sorted_index(eval_hashes))
+def finish(spark: SparkSession, prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
+           eval_index: Any = None) -> DataFrame:
+    """Pass 2: every row with its final verdict (derive/license from pass 1, then exact or near duplicate, then
+    contaminated), hash-partitioned by uuid and sorted by uuid within each partition (the written files' order,
+    deterministic without a global sort), through udfs.finish_batch. ``corpus``: the broadcast CorpusIndex when
+    enrich.context_corpus is set (``eval_index`` then the broadcast eval array). Persisted: the enriched and
+    quarantine writes and the statistics read it."""
+    cfg, ds = job.enrich, job.dataset
+    n = cfg.decontam_ngram
+    status = (F.when(F.col("status") != udfs.OK, F.col("status")).when(F.col("dup_reason").isNotNull(), F.col("dup_reason"))
+              .when(F.col("eval_ngrams") > 0, F.lit(udfs.CONTAMINATED)).otherwise(F.lit(udfs.OK)))
+    detail = (F.when(F.col("status") != udfs.OK, F.col("detail")).when(F.col("dup_reason").isNotNull(), F.col("dup_detail"))
+              .when(F.col("eval_ngrams") > 0, F.concat(F.col("eval_ngrams").cast("string"),
+                                                       F.lit(f" distinct {n}-grams shared with the eval sets")))
+              .otherwise(F.lit("")))
+    rows = prepared.join(flags, "row_id", "left").select(
+        *(F.col(c) for c in udfs.PREPARED.names[:6]), status.alias("status"), detail.alias("detail"),
+        *(F.col(c) for c in udfs.PREPARED.names[8:12]))
+    rows = rows.repartition(cfg.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
+    select = {"model_path": cfg.embedding_model, "batch_size": cfg.embed_batch_size, "top_k": cfg.top_k,
+              "min_score": cfg.min_score, "question_weight": cfg.question_weight, "system_prompt": cfg.system_prompt,
+              "answer_text": cfg.answer_text, "num_threads": TORCH_THREADS_PER_TASK}
+    tokenize = {"tokenizer_version": ds.tokenizer, "seq_len": ds.seq_len, "length_policy": ds.length_policy,
+                "text_with_tool_calls": ds.text_with_tool_calls}
 
     def body(batches):
+        retrieval = None if corpus is None else {
+            "index": corpus.value, "eval_index": eval_index.value, "ngram": n, "model_path": cfg.embedding_model,
+            "batch_size": cfg.embed_batch_size, "top_k": cfg.top_k, "min_score": cfg.min_score,
+            "question_weight": cfg.question_weight, "answer_text": cfg.answer_text,
+            "num_threads": TORCH_THREADS_PER_TASK}
         for pdf in batches:
-            yield corpus_context_batch(
-                pdf, index=shipped.value, eval_index=evals.value, ngram=cfg.decontam_ngram,
-                model_path=cfg.embedding_model, batch_size=cfg.embed_batch_size, top_k=cfg.top_k,
-                min_score=cfg.min_score, question_weight=cfg.question_weight, answer_text=cfg.answer_text,
-                num_threads=cfg.executor_cores)
+            yield udfs.finish_batch(pdf, select=select, tokenize=tokenize, corpus=retrieval)
 
-    found = df.mapInPandas(body, schema=_WORK_SCHEMA + ", " + _SELECTION_SCHEMA + ", " + CORPUS_SCHEMA)
-    none = df.sparkSession.createDataFrame([], schema=", ".join(f"{c} string" for c in QUARANTINE_COLUMNS))
-    return StepResult("corpus_context", found, none)
-
-
-def corpus_stats(df: DataFrame, top_documents: int = 10) -> dict[str, Any]:
-    """Over the enriched rows (with CORPUS_COLUMNS), overall and per split: rows per corpus path, distributions
-    of the kept sentences' combined / question / answer scores, sentences dropped at the block's eval check; and
-    the documents most used (sentences added from each)."""
-    from raytrain.enrich.corpus_udfs import CORPUS_PATHS
-
-    per_sentence = df.select("split", F.explode(F.arrays_zip(
-        "corpus_scores", "corpus_question_scores", "corpus_answer_scores")).alias("z")).select("split", "z.*")
-    scores = _by_split(per_sentence.rollup("split").agg(
-        *_agg(F.col("corpus_scores"), "s"), *_agg(F.col("corpus_question_scores"), "q"),
-        *_agg(F.col("corpus_answer_scores"), "a")).collect(),
-        lambda r: {"scores": _dist(r, "s"), "question": _dist(r, "q"), "answer": _dist(r, "a")})
-    rows = _by_split(df.rollup("split").agg(
-        F.count("*").alias("rows"), *(_count_if(F.col("corpus_path") == p, p) for p in CORPUS_PATHS),
-        F.sum(F.size("corpus_sentences")).alias("sentences_added"),
-        F.sum("corpus_dropped_for_eval").alias("dropped_for_eval")).collect(),
-        lambda r: {"rows": int(r["rows"]), **{f"rows_{p}": int(r[p] or 0) for p in CORPUS_PATHS},
-                   "sentences_added": int(r["sentences_added"] or 0),
-                   "sentences_dropped_at_block_check": int(r["dropped_for_eval"] or 0)})
-    docs = [{"doc_id": r["doc_id"], "sentences_added": int(r["count"]), "rows": int(r["rows"])} for r in
-            df.select("uuid", F.explode("corpus_doc_ids").alias("doc_id")).groupBy("doc_id")
-            .agg(F.count("*").alias("count"), F.countDistinct("uuid").alias("rows"))
-            .orderBy(F.desc("count"), "doc_id").limit(top_documents).collect()]
-    empty = {"scores": {"count": 0}, "question": {"count": 0}, "answer": {"count": 0}}
-    return {**rows["overall"], **(scores["overall"] or empty), "top_documents": docs,
-            "per_split": {k: {**v, **scores["per_split"].get(k, empty)} for k, v in rows["per_split"].items()}}
-
-
-def tokenize_check(df: DataFrame, job: JobConfig) -> StepResult:
-    """Tokenize each final conversation with the configured mistral-common tokenizer (as the pack stage will) and
-    apply dataset.length_policy; rows it refuses are quarantined ("untokenizable") instead of failing Ray Data
-    later, rows the policy drops as "too_many_tokens" with their token count. Adds ``num_tokens``,
-    ``train_tokens``, ``length_action``, ``dropped_text_turns`` and ``dropped_text_chars``
-    (udfs.tokenize_check_batch)."""
-    ds = job.dataset
-    body = udfs.map_batches(udfs.tokenize_check_batch, tokenizer_version=ds.tokenizer, seq_len=ds.seq_len,
-                            length_policy=ds.length_policy, text_with_tool_calls=ds.text_with_tool_calls)
-    schema = T.StructType([*df.schema.fields,
-                           *(T.StructField(c, T.LongType()) for c in udfs.INT_TOKEN_COLUMNS),
-                           T.StructField("length_action", T.StringType()),
-                           T.StructField("status", T.StringType()), T.StructField("detail", T.StringType())])
-    checked = df.mapInPandas(body, schema=schema)
-    kept = checked.filter(F.col("status") == udfs.OK).drop("status", "detail")
-    bad = checked.filter(F.col("status") != udfs.OK)
-    return StepResult("tokenize_check", kept, _quarantine(bad, F.col("status"), F.col("detail")), shared=checked,
-                      stats=lambda frame: length_stats(frame, ds.seq_len))
+    schema = spark_schema(udfs.finished_schema(corpus is not None))
+    return rows.mapInPandas(body, schema=schema).persist(StorageLevel.MEMORY_AND_DISK)
 
 
 def _dist(row, prefix: str, as_int: bool = False) -> dict[str, float]:
@@ -274,62 +188,104 @@ def _by_split(rows, convert) -> dict[str, Any]:
     return out
 
 
-def selection_stats(df: DataFrame) -> dict[str, Any]:
-    """Over the enriched rows, overall and per split (two Spark jobs, rollups): distributions (count/min/p50/p90/
-    p99/max) of the combined score over every candidate sentence and over the kept ones, of the question/answer
-    similarities, and of num_tokens; rows that had candidates, texts embedded in chunks, system prompts changed
-    (enrich.system_prompt=select) and text dropped for tool calls."""
-    per_sentence = df.select("split", F.explode(F.arrays_zip(
-        "sentence_scores", "question_scores", "answer_scores",
-        F.expr("transform(sentence_scores, (s, i) -> array_contains(kept_indices, i))").alias("kept"),
-    )).alias("z")).select("split", "z.*")
-    kept_score = F.when(F.col("kept"), F.col("sentence_scores"))
-    scores = _by_split(per_sentence.rollup("split").agg(
-        *_agg(F.col("sentence_scores"), "all"), *_agg(kept_score, "kept"), *_agg(F.col("question_scores"), "q"),
-        *_agg(F.col("answer_scores"), "a")).collect(),
-        lambda r: {"all_sentences": _dist(r, "all"), "kept_sentences": _dist(r, "kept"), "question": _dist(r, "q"),
-                   "answer": _dist(r, "a")})
-    rows = _by_split(df.rollup("split").agg(
-        F.count("*").alias("rows"), *_agg(F.col("num_tokens"), "tok"),
-        _count_if(F.size("context_sentences") > 0, "rows_with_candidates"),
-        _count_if(F.size("kept_sentences") > 0, "rows_with_context_added"),
-        _count_if(F.col("chunked_texts") > 0, "rows_chunked"), F.sum("chunked_texts").alias("texts_chunked"),
-        _count_if(F.col("system_prompt_chars_removed") > 0, "system_prompts_changed"),
-        F.sum("system_prompt_chars_removed").alias("system_prompt_chars_removed"),
-        F.sum("dropped_text_turns").alias("dropped_text_turns"), F.sum("dropped_text_chars").alias("dropped_text_chars"),
-        _count_if(F.col("dropped_text_turns") > 0, "dropped_text_rows")).collect(),
-        lambda r: {"rows": int(r["rows"]), "tokens": _dist(r, "tok", as_int=True),
-                   **{k: int(r[k] or 0) for k in ("rows_with_candidates", "rows_with_context_added",
-                                                  "rows_chunked", "texts_chunked",
-                                                  "system_prompts_changed", "system_prompt_chars_removed",
-                                                  "dropped_text_turns", "dropped_text_chars", "dropped_text_rows")}})
-    empty_scores = {"all_sentences": {"count": 0}, "kept_sentences": {"count": 0}, "question": {"count": 0},
-                    "answer": {"count": 0}}
-    overall = {**rows["overall"], **(scores["overall"] or empty_scores)}
-    per_split = {k: {**v, **scores["per_split"].get(k, empty_scores)} for k, v in rows["per_split"].items()}
-    return {**overall, "per_split": per_split}
+def row_stats(finished: DataFrame, seq_len: int, reasons: Sequence[str], corpus: bool) -> dict[str, Any]:
+    """One rollup over every row of the finishing pass (one Spark job), overall and per split: rows per status
+    (``reasons`` is the fixed vocabulary; "other" counts anything else, a bug the caller refuses); over the kept
+    rows the num_tokens distribution, rows that had candidates, got context, were embedded in chunks, had their
+    system prompt changed or tool-call text dropped (and with a corpus, rows per corpus path, sentences added and
+    dropped at the block's eval check); over the rows tokenized (kept or refused for length) the token-length
+    distribution and what the length policy did: rows and tokens dropped, truncated, split and their chunks."""
+    from raytrain.enrich.corpus_udfs import CORPUS_PATHS
 
-
-def length_stats(checked: DataFrame, seq_len: int) -> dict[str, Any]:
-    """Over the rows the tokenization check saw (tokenize_check's frame, quarantined rows included), overall and
-    per split: the token-length distribution of whole conversations (p50/p90/p99/max) and what the length policy
-    did: rows and tokens dropped, rows truncated and tokens cut, rows split and the chunks they became."""
-    tokenized = checked.filter(F.col("num_tokens") >= 0)
+    status = F.col("status")
+    kept = status == udfs.OK
+    tokenized = F.col("num_tokens") >= 0
     act = F.col("length_action")
     removed = F.col("num_tokens") - F.col("train_tokens")
-    return _by_split(tokenized.rollup("split").agg(
-        *_agg(F.col("num_tokens"), "tok"),
-        _count_if(act == "drop", "rows_dropped"), _count_if(act == "drop", "tokens_dropped", F.col("num_tokens")),
-        _count_if(act == "truncate", "rows_truncated"), _count_if(act == "truncate", "tokens_truncated", removed),
-        _count_if(act == "split", "rows_split"),
-        _count_if(act == "split", "split_chunks", F.ceil(F.col("num_tokens") / F.lit(seq_len)))).collect(),
-        lambda r: {"tokens": _dist(r, "tok", as_int=True),
-                   **{k: int(r[k] or 0) for k in ("rows_dropped", "tokens_dropped", "rows_truncated",
-                                                  "tokens_truncated", "rows_split", "split_chunks")}})
+    kept_sums = ("texts_chunked", "system_prompt_chars_removed", "dropped_text_turns", "dropped_text_chars")
+    aggs = [
+        *(_count_if(status == r, f"n_{r}") for r in (udfs.OK, *reasons)),
+        _count_if(~status.isin(udfs.OK, *reasons), "n_other"),
+        *_agg(F.when(kept, F.col("num_tokens")), "tok"), *_agg(F.when(tokenized, F.col("num_tokens")), "len"),
+        _count_if(kept & (F.size("context_sentences") > 0), "rows_with_candidates"),
+        _count_if(kept & (F.size("kept_sentences") > 0), "rows_with_context_added"),
+        _count_if(kept & (F.col("chunked_texts") > 0), "rows_chunked"),
+        _count_if(kept & (F.col("system_prompt_chars_removed") > 0), "system_prompts_changed"),
+        _count_if(kept & (F.col("dropped_text_turns") > 0), "dropped_text_rows"),
+        _count_if(kept, "texts_chunked", F.col("chunked_texts")),
+        _count_if(kept, "system_prompt_chars_removed", F.col("system_prompt_chars_removed")),
+        _count_if(kept, "dropped_text_turns", F.col("dropped_text_turns")),
+        _count_if(kept, "dropped_text_chars", F.col("dropped_text_chars")),
+        _count_if(tokenized & (act == "drop"), "rows_dropped"),
+        _count_if(tokenized & (act == "drop"), "tokens_dropped", F.col("num_tokens")),
+        _count_if(tokenized & (act == "truncate"), "rows_truncated"),
+        _count_if(tokenized & (act == "truncate"), "tokens_truncated", removed),
+        _count_if(tokenized & (act == "split"), "rows_split"),
+        _count_if(tokenized & (act == "split"), "split_chunks", F.ceil(F.col("num_tokens") / F.lit(seq_len))),
+    ]
+    if corpus:
+        aggs += [*(_count_if(kept & (F.col("corpus_path") == p), f"path_{p}") for p in CORPUS_PATHS),
+                 _count_if(kept, "sentences_added", F.size("corpus_sentences")),
+                 _count_if(kept, "dropped_for_eval", F.col("corpus_dropped_for_eval"))]
+
+    def convert(r) -> dict[str, Any]:
+        out = {"status": {k: int(r[f"n_{k}"] or 0) for k in (udfs.OK, *reasons, "other") if r[f"n_{k}"]},
+               "rows": int(r[f"n_{udfs.OK}"] or 0), "tokens": _dist(r, "tok", as_int=True),
+               **{k: int(r[k] or 0) for k in ("rows_with_candidates", "rows_with_context_added", "rows_chunked",
+                                              "system_prompts_changed", "dropped_text_rows", *kept_sums)},
+               "length": {"tokens": _dist(r, "len", as_int=True),
+                          **{k: int(r[k] or 0) for k in ("rows_dropped", "tokens_dropped", "rows_truncated",
+                                                         "tokens_truncated", "rows_split", "split_chunks")}}}
+        if corpus:
+            out["corpus"] = {**{f"rows_{p}": int(r[f"path_{p}"] or 0) for p in CORPUS_PATHS},
+                             "sentences_added": int(r["sentences_added"] or 0),
+                             "sentences_dropped_at_block_check": int(r["dropped_for_eval"] or 0)}
+        return out
+
+    return _by_split(finished.rollup("split").agg(*aggs).collect(), convert)
 
 
-def output_columns(df: DataFrame, extra: Sequence[str] = ()) -> DataFrame:
-    """The enriched table as written: identity, derived text, selection audit columns, training messages."""
-    cols = ["uuid", "split", "category", "license", "reasoning", "context", "question", "answer",
-            *udfs.SELECTION_COLUMNS, *udfs.INT_TOKEN_COLUMNS, "length_action", "messages_json", *extra]
-    return df.select(*cols)
+def sentence_stats(finished: DataFrame, corpus: bool) -> dict[str, Any]:
+    """One rollup over the kept rows' sentences (one Spark job), overall and per split: distributions (count/min/
+    p50/p90/p99/max) of the combined score over every candidate sentence and over the kept ones, of the question/
+    answer similarities, and with a corpus of the added corpus sentences' combined/question/answer scores."""
+    kept = finished.filter(F.col("status") == udfs.OK)
+    own = kept.select("split", F.lit("own").alias("kind"), F.explode(F.arrays_zip(
+        F.col("sentence_scores").alias("s"), F.col("question_scores").alias("q"), F.col("answer_scores").alias("a"),
+        F.expr("transform(sentence_scores, (s, i) -> array_contains(kept_indices, i))").alias("kept"),
+    )).alias("z")).select("split", "kind", "z.s", "z.q", "z.a", "z.kept")
+    if corpus:
+        own = own.unionByName(kept.select("split", F.lit("corpus").alias("kind"), F.explode(F.arrays_zip(
+            F.col("corpus_scores").alias("s"), F.col("corpus_question_scores").alias("q"),
+            F.col("corpus_answer_scores").alias("a"))).alias("z")).select(
+            "split", "kind", "z.s", "z.q", "z.a", F.lit(True).alias("kept")))
+    mine, theirs = F.col("kind") == "own", F.col("kind") == "corpus"
+    aggs = [*_agg(F.when(mine, F.col("s")), "all"), *_agg(F.when(mine & F.col("kept"), F.col("s")), "kept"),
+            *_agg(F.when(mine, F.col("q")), "q"), *_agg(F.when(mine, F.col("a")), "a")]
+    if corpus:
+        aggs += [*_agg(F.when(theirs, F.col("s")), "cs"), *_agg(F.when(theirs, F.col("q")), "cq"),
+                 *_agg(F.when(theirs, F.col("a")), "ca")]
+
+    def convert(r) -> dict[str, Any]:
+        out = {"all_sentences": _dist(r, "all"), "kept_sentences": _dist(r, "kept"), "question": _dist(r, "q"),
+               "answer": _dist(r, "a")}
+        if corpus:
+            out["corpus"] = {"scores": _dist(r, "cs"), "question": _dist(r, "cq"), "answer": _dist(r, "ca")}
+        return out
+
+    return _by_split(own.rollup("split").agg(*aggs).collect(), convert)
+
+
+def top_documents(finished: DataFrame, n: int = 10) -> list[dict[str, Any]]:
+    """The corpus documents most used by the kept rows: sentences added from each and rows they went to."""
+    kept = finished.filter(F.col("status") == udfs.OK)
+    return [{"doc_id": r["doc_id"], "sentences_added": int(r["count"]), "rows": int(r["rows"])} for r in
+            kept.select("uuid", F.explode("corpus_doc_ids").alias("doc_id")).groupBy("doc_id")
+            .agg(F.count("*").alias("count"), F.countDistinct("uuid").alias("rows"))
+            .orderBy(F.desc("count"), "doc_id").limit(n).collect()]
+
+
+def enriched_columns(corpus: bool) -> list[str]:
+    """The enriched table as written: identity, derived text, selection (and corpus) audit, tokens, messages."""
+    return [*ROW_COLUMNS, *udfs.SELECTION.names, *(udfs.CORPUS.names if corpus else ()),
+            *udfs.TOKENS.names, "messages_json"]

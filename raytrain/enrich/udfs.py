@@ -1,13 +1,15 @@
 """The per-batch bodies Spark runs in its Python workers (mapInPandas / applyInPandas), as plain pandas functions.
 
 No pyspark import: each function takes a ``pandas.DataFrame`` batch and returns one, so it is unit-tested without
-a JVM. The Spark wiring (schemas, joins, counts) lives in ``steps.py``; the row logic comes from the pure modules
-next to this one (conversation, dedup, decontam, relevance, sentences) and from raytrain.dataset.tokenize.
+a JVM. The Spark wiring (schemas, joins, aggregations) lives in ``steps.py``; the row logic comes from the pure
+modules next to this one (conversation, dedup, decontam, relevance, sentences) and from raytrain.dataset.tokenize.
 
-Column contract of the working table (``WORK_COLUMNS``), one row per derived example:
-``row_id`` (int64, unique per input row), ``split``, ``uuid``, ``category``, ``license``, ``reasoning``,
-``context``, ``question``, ``answer``, ``text`` (every turn as text: what dedup and decontamination compare) and
-``messages_json`` (the normalized conversation as JSON).
+The enrichment has two row passes, and the tables they produce are described once, here, as pyarrow schemas
+(steps.py hands them to Spark): ``PREPARED`` (``prepare_batch``: derive, license, exact-dedup key, MinHash
+signature and LSH band keys, eval n-gram count, for every input row) and ``FINISHED`` (``finish_batch``: the
+relevance selection, the corpus context, the tokenization with its token ids and loss mask, for the rows still
+kept; the others pass through with their quarantine reason). ``status`` is "ok" or the reason a row is
+quarantined; ``detail`` says why in words.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from raytrain.enrich.context import (
     answer_for_scoring,
@@ -29,121 +31,142 @@ from raytrain.enrich.context import (
 )
 from raytrain.enrich.conversation import Example, derive_example
 from raytrain.enrich.decontam import ngram_hashes
-from raytrain.enrich.dedup import exact_key, lsh_band_keys, minhash_signature
+from raytrain.enrich.dedup import cluster_roots, exact_key, lsh_band_keys, minhash_signature, verified_pairs
 
 OK = "ok"
-WORK_COLUMNS = ("row_id", "split", "uuid", "category", "license", "reasoning", "context", "question", "answer",
-                "text", "messages_json")
-# derive_batch's output: the working columns plus the verdict (status "ok" or a quarantine reason).
-DERIVED_COLUMNS = (*WORK_COLUMNS[:6], "status", "detail", *WORK_COLUMNS[6:])
-SELECTION_COLUMNS = ("context_sentences", "kept_indices", "kept_sentences", "sentence_scores", "question_scores",
-                     "answer_scores", "chunked_texts", "system_prompt_chars_removed")
-# Quarantine reasons added by the Spark steps (conversation.QUARANTINE_REASONS are the derive ones).
+# Quarantine reasons decided here and in steps.py (conversation.QUARANTINE_REASONS are the derive ones,
+# raytrain.dataset.length.TOO_MANY_TOKENS the length policy's).
 LICENSE = "license"
 EXACT_DUPLICATE = "exact_duplicate"
 NEAR_DUPLICATE = "near_duplicate"
 CONTAMINATED = "contaminated"
 UNTOKENIZABLE = "untokenizable"
 
+_ROW = [("row_id", pa.int64()), ("split", pa.string()), ("uuid", pa.string()), ("category", pa.string()),
+        ("license", pa.string()), ("reasoning", pa.string()), ("status", pa.string()), ("detail", pa.string()),
+        ("context", pa.string()), ("question", pa.string()), ("answer", pa.string()), ("messages_json", pa.string())]
+PREPARED = pa.schema([*_ROW, ("exact_key", pa.string()), ("signature", pa.binary()),
+                      ("band_keys", pa.list_(pa.int64())), ("eval_ngrams", pa.int64())])
+"""``prepare_batch``'s output: every input row, its verdict so far, what dedup and decontamination compare.
+``eval_ngrams``: distinct word n-grams shared with the eval sets (decided after dedup, as the chain orders it)."""
+SELECTION = pa.schema([("context_sentences", pa.list_(pa.string())), ("kept_indices", pa.list_(pa.int32())),
+                       ("kept_sentences", pa.list_(pa.string())), ("sentence_scores", pa.list_(pa.float32())),
+                       ("question_scores", pa.list_(pa.float32())), ("answer_scores", pa.list_(pa.float32())),
+                       ("chunked_texts", pa.int64()), ("system_prompt_chars_removed", pa.int64())])
+"""``select_batch``'s audit columns."""
+CORPUS = pa.schema([("corpus_path", pa.string()), ("corpus_doc_ids", pa.list_(pa.string())),
+                    ("corpus_sentence_indices", pa.list_(pa.int64())), ("corpus_sentences", pa.list_(pa.string())),
+                    ("corpus_scores", pa.list_(pa.float32())), ("corpus_question_scores", pa.list_(pa.float32())),
+                    ("corpus_answer_scores", pa.list_(pa.float32())), ("corpus_dropped_for_eval", pa.int64())])
+"""``corpus_udfs.corpus_context_batch``'s audit columns (with enrich.context_corpus)."""
+TOKENS = pa.schema([("num_tokens", pa.int64()), ("train_tokens", pa.int64()), ("dropped_text_turns", pa.int64()),
+                    ("dropped_text_chars", pa.int64()), ("length_action", pa.string()),
+                    ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.bool_()))])
+"""``tokenize_batch``'s columns: the token ids and loss mask the pack stage packs without tokenizing again."""
 
-# ---- derive ------------------------------------------------------------------------------------------------------
-def derive_batch(pdf: pd.DataFrame, max_chars: int) -> pd.DataFrame:
-    """Raw Nemotron rows (+ ``row_id``, ``split``) -> one DERIVED_COLUMNS row each; status "ok" or the reason.
 
-    Quarantined rows keep row_id/split/uuid/category and the reason's detail; their text columns are "".
+def finished_schema(corpus: bool) -> pa.Schema:
+    """``finish_batch``'s output: the row columns, the selection audit, the corpus audit (with a corpus), tokens."""
+    return pa.schema([*_ROW, *SELECTION, *(CORPUS if corpus else []), *TOKENS])
+
+
+def _defaults(schema: pa.Schema, n: int) -> dict[str, list]:
+    """Empty values of each column of ``schema`` for ``n`` rows: "" strings, 0 numbers, [] lists."""
+    def empty(t: pa.DataType) -> Any:
+        return "" if pa.types.is_string(t) else [] if pa.types.is_list(t) else b"" if pa.types.is_binary(t) else 0
+    return {f.name: [empty(f.type) for _ in range(n)] for f in schema}
+
+
+# ---- pass 1: derive, license, dedup keys, eval n-grams ----------------------------------------------------------
+def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str], num_perm: int, bands: int,
+                  rows: int, shingle_chars: int, eval_index: np.ndarray, ngram: int) -> pd.DataFrame:
+    """Raw Nemotron rows (+ ``row_id``, ``split``) -> one PREPARED row each.
+
+    ``status``: a derive reason (conversation.QUARANTINE_REASONS), "license" (its trimmed, case-folded license not
+    in ``licenses``) or "ok". Rows with "ok" get the exact-dedup key (dedup.exact_key of every turn's text), the
+    MinHash signature of its character ``shingle_chars``-grams, its LSH band keys and ``eval_ngrams``; the others
+    keep uuid/category/split, the reason's detail, and empty text columns.
     """
-    out: list[dict[str, Any]] = []
+    allowed = sorted({lic.strip().lower() for lic in licenses})
+    empty = {name: values[0] for name, values in _defaults(PREPARED, 1).items()}
+    out = _defaults(PREPARED, 0)
+    texts: list[str] = []  # of the rows with status "ok", in order
     for row in pdf.to_dict("records"):
         # pandas writes a missing string as NaN; the quarantine detail should say None, as pyarrow rows do
         row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
         result = derive_example(row, max_chars=max_chars)
-        base = {"row_id": int(row["row_id"]), "split": row["split"]}
+        values: dict[str, Any] = {**empty, "row_id": int(row["row_id"]), "split": row["split"], "uuid": result.uuid}
         if isinstance(result, Example):
-            out.append({**base, "uuid": result.uuid, "category": result.category, "license": result.license,
-                        "reasoning": result.reasoning, "status": OK, "detail": "", "context": result.context,
-                        "question": result.question, "answer": result.answer, "text": result.full_text(),
-                        "messages_json": json.dumps(list(result.messages), ensure_ascii=False)})
+            values.update(category=result.category, license=result.license, reasoning=result.reasoning)
+            if result.license.strip().lower() in allowed:
+                text = result.full_text()
+                values.update(status=OK, context=result.context, question=result.question, answer=result.answer,
+                              messages_json=json.dumps(list(result.messages), ensure_ascii=False),
+                              exact_key=exact_key(text))
+                texts.append(text)
+            else:
+                values.update(status=LICENSE, detail=f"license '{result.license}' not in enrich.licenses {allowed}")
         else:
             category = row.get("category")
-            out.append({**base, "uuid": result.uuid, "category": category if isinstance(category, str) else "",
-                        "license": "", "reasoning": "", "status": result.reason, "detail": result.detail,
-                        **{c: "" for c in DERIVED_COLUMNS[8:]}})
-    return pd.DataFrame(out, columns=list(DERIVED_COLUMNS))
+            values.update(category=category if isinstance(category, str) else "", status=result.reason,
+                          detail=result.detail)
+        for name in PREPARED.names:
+            out[name].append(values[name])
+    if texts:
+        sigs = np.stack([minhash_signature(t, num_perm=num_perm, ngram=shingle_chars) for t in texts])  # (K, P)
+        keys = lsh_band_keys(sigs, bands, rows)  # (K, B)
+        matched = contamination_counts(texts, eval_index, ngram)
+        ok = [i for i, status in enumerate(out["status"]) if status == OK]
+        for j, i in enumerate(ok):
+            out["signature"][i], out["band_keys"][i], out["eval_ngrams"][i] = sigs[j].tobytes(), keys[j].tolist(), \
+                matched[j]
+    return pd.DataFrame(out, columns=list(PREPARED.names)).astype({"row_id": "int64", "eval_ngrams": "int64"})
 
 
-# ---- exact and near duplicates -----------------------------------------------------------------------------------
-def exact_keys(texts: pd.Series) -> pd.Series:
-    """dedup.exact_key of each text (sha1 of the normalized text), for a Spark pandas UDF."""
-    return texts.map(exact_key)
-
-
-def minhash_batch(pdf: pd.DataFrame, num_perm: int, bands: int, rows: int, ngram: int = 5) -> pd.DataFrame:
-    """(row_id, uuid, text) -> (row_id, uuid, signature: bytes of (num_perm,) uint32, band_keys: list of int64)."""
-    sigs = np.stack([minhash_signature(t, num_perm=num_perm, ngram=ngram) for t in pdf["text"]]) if len(pdf) \
-        else np.zeros((0, num_perm), dtype=np.uint32)  # (N, P)
-    keys = lsh_band_keys(sigs, bands, rows) if len(pdf) else np.zeros((0, bands), dtype=np.int64)  # (N, B)
-    return pd.DataFrame({"row_id": pdf["row_id"].astype("int64").to_numpy(), "uuid": pdf["uuid"].to_numpy(),
-                         "signature": [s.tobytes() for s in sigs], "band_keys": [k.tolist() for k in keys]})
-
-
-PAIR_COLUMNS = ("a_row_id", "a_uuid", "b_row_id", "b_uuid", "jaccard")
+PAIRS = pa.schema([("a_row_id", pa.int64()), ("a_uuid", pa.string()), ("b_row_id", pa.int64()),
+                   ("b_uuid", pa.string()), ("jaccard", pa.float64())])
+"""``verify_bucket``'s output: a near-duplicate pair, a before b by (uuid, row_id)."""
 
 
 def verify_bucket(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
-    """One LSH bucket (row_id, uuid, signature) -> its verified pairs (PAIR_COLUMNS), a ordered before b by
+    """One LSH bucket (row_id, uuid, signature) -> its verified pairs (PAIRS), a ordered before b by
     (uuid, row_id), with estimated Jaccard >= threshold. Blocks of rows keep a huge bucket within ~4M booleans."""
     pdf = pdf.sort_values(["uuid", "row_id"], kind="stable").reset_index(drop=True)
     sigs = np.stack([np.frombuffer(s, dtype=np.uint32) for s in pdf["signature"]]) if len(pdf) \
         else np.zeros((0, 1), dtype=np.uint32)  # (M, P)
-    out: list[tuple] = []
-    block = max(1, (1 << 22) // max(1, len(pdf) * sigs.shape[1]))
-    for start in range(0, len(pdf), block):
-        sim = (sigs[start : start + block, None, :] == sigs[None, :, :]).mean(axis=2)  # (b, M)
-        for a, b in zip(*np.nonzero(sim >= threshold), strict=True):
-            i, j = start + int(a), int(b)
-            if i < j:
-                out.append((int(pdf.at[i, "row_id"]), pdf.at[i, "uuid"], int(pdf.at[j, "row_id"]), pdf.at[j, "uuid"],
-                            float(sim[a, b])))
-    return pd.DataFrame(out, columns=list(PAIR_COLUMNS))
+    row_ids, uuids = pdf["row_id"].astype(np.int64).tolist(), pdf["uuid"].tolist()
+    return pd.DataFrame([(row_ids[i], uuids[i], row_ids[j], uuids[j], jaccard)
+                         for i, j, jaccard in verified_pairs(sigs, threshold)], columns=list(PAIRS.names))
 
 
-@dataclass(frozen=True)
-class DuplicateOf:
-    """Why a row is dropped as a near-duplicate."""
+def near_duplicate_drops(pairs: pd.DataFrame) -> pd.DataFrame:
+    """Verified near-duplicate pairs (PAIRS) -> (``row_id``, ``dup_detail``) of every cluster member except the
+    smallest (uuid, row_id), which the cluster keeps.
 
-    kept: tuple[str, int]
-    """(uuid, row_id) of the row its cluster keeps: the smallest member."""
-    neighbor: tuple[str, int]
-    """The verified partner with the highest estimated Jaccard (the link that put it in the cluster)."""
-    jaccard: float
-    """Estimated Jaccard with ``neighbor``."""
-
-
-def near_duplicate_drops(pairs: Iterable[tuple[tuple[str, int], tuple[str, int], float]]) -> dict[tuple, DuplicateOf]:
-    """Verified near-duplicate pairs -> {member: DuplicateOf} for every cluster member except the smallest.
-
-    Clusters are connected components of the pairs (transitive: a~b and b~c put a, b, c together even when a and
-    c differ more), the same rule as dedup.near_duplicate_groups. Ids are (uuid, row_id) tuples.
-    """
-    parent: dict[tuple, tuple] = {}
-    best: dict[tuple, tuple[tuple, float]] = {}
-
-    def find(x: tuple) -> tuple:
-        root = x
-        while parent.setdefault(root, root) != root:
-            root = parent[root]
-        while parent[x] != root:  # path compression
-            parent[x], x = root, parent[x]
-        return root
-
-    for a, b, jaccard in pairs:
-        for x, y in ((a, b), (b, a)):
-            if x not in best or jaccard > best[x][1] or (jaccard == best[x][1] and y < best[x][0]):
-                best[x] = (y, jaccard)
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)  # the smallest id is always its cluster's root
-    return {x: DuplicateOf(kept=find(x), neighbor=best[x][0], jaccard=best[x][1]) for x in parent if find(x) != x}
+    Clusters are the connected components of the pairs (dedup.cluster_roots: transitive, a~b and b~c put a, b,
+    c together even when a and c differ more). The detail names the kept row and the member's verified partner
+    with the highest estimated Jaccard (ties: the smallest partner): the link that put it in the cluster.
+    Vectorized: memory and time linear in the pairs."""
+    if pairs.empty:
+        return pd.DataFrame({"row_id": pd.Series([], dtype="int64"), "dup_detail": pd.Series([], dtype=object)})
+    ends = pd.DataFrame({"uuid": np.concatenate([pairs["a_uuid"], pairs["b_uuid"]]),
+                         "row_id": np.concatenate([pairs["a_row_id"], pairs["b_row_id"]]).astype(np.int64)})
+    nodes = ends.drop_duplicates().sort_values(["uuid", "row_id"], kind="stable").reset_index(drop=True)  # (V,)
+    order = pd.MultiIndex.from_frame(nodes)
+    a = order.get_indexer(pd.MultiIndex.from_arrays([pairs["a_uuid"], pairs["a_row_id"].astype(np.int64)]))  # (E,)
+    b = order.get_indexer(pd.MultiIndex.from_arrays([pairs["b_uuid"], pairs["b_row_id"].astype(np.int64)]))  # (E,)
+    num_nodes = len(nodes)
+    kept = cluster_roots(a, b, num_nodes)  # nodes are in (uuid, row_id) order: the root is the row kept
+    jaccard = pairs["jaccard"].to_numpy(dtype=np.float64)
+    links = pd.DataFrame({"node": np.concatenate([a, b]), "partner": np.concatenate([b, a]),
+                          "jaccard": np.concatenate([jaccard, jaccard])})
+    best = links.sort_values(["node", "jaccard", "partner"], ascending=[True, False, True], kind="stable") \
+        .drop_duplicates("node").set_index("node")
+    dropped = np.flatnonzero(kept != np.arange(num_nodes))
+    uuids = nodes["uuid"].to_numpy()
+    details = [f"near-duplicate of {uuids[kept[i]]} (cluster kept; estimated Jaccard {best.at[i, 'jaccard']:.3f} "
+               f"with {uuids[best.at[i, 'partner']]})" for i in dropped]
+    return pd.DataFrame({"row_id": nodes["row_id"].to_numpy()[dropped], "dup_detail": details})
 
 
 # ---- decontamination ---------------------------------------------------------------------------------------------
@@ -153,7 +176,7 @@ def build_sorted_index(hashes: Iterable[int]) -> np.ndarray:
 
 
 def contamination_counts(texts: Iterable[str], sorted_index: np.ndarray, n: int) -> list[int]:
-    """Per text, how many of its distinct n-grams are in the eval index (decontam.contaminated's count)."""
+    """Per text, how many of its distinct word n-grams are in the eval index."""
     if sorted_index.size == 0:
         return [0 for _ in texts]
     return [int(np.isin(ngram_hashes(t, n), sorted_index, assume_unique=True).sum()) for t in texts]
@@ -171,7 +194,7 @@ def _configure_threads(num_threads: int) -> None:
 def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: int, min_score: float,
                  question_weight: float, system_prompt: str = "keep", answer_text: str = "final",
                  num_threads: int = 0) -> pd.DataFrame:
-    """Working rows -> the same rows with SELECTION_COLUMNS added and ``messages_json`` rebuilt (raytrain.enrich
+    """Working rows -> the same rows with the SELECTION columns added and ``messages_json`` rebuilt (raytrain.enrich
     .context has the rules).
 
     ``system_prompt`` "keep": candidates are the prose sentences of the context (system prompts less toggle lines,
@@ -224,25 +247,25 @@ def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: 
     return out
 
 
-# ---- tokenization check ------------------------------------------------------------------------------------------
-def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str, seq_len: int, length_policy: str = "drop",
-                         text_with_tool_calls: str = "drop_text") -> pd.DataFrame:
-    """Rows -> the same rows plus, tokenizing ``messages_json`` exactly as the pack stage will:
+# ---- tokenization --------------------------------------------------------------------------------------------------
+def tokenize_batch(pdf: pd.DataFrame, tokenizer_version: str, seq_len: int, length_policy: str = "drop",
+                   text_with_tool_calls: str = "drop_text") -> pd.DataFrame:
+    """Rows -> the same rows plus the TOKENS columns, tokenizing ``messages_json`` once, for good: the pack stage
+    packs the stored ``input_ids`` / ``loss_mask`` (True on assistant-generated tokens) and never tokenizes again.
 
-    ``num_tokens`` (int64, the whole conversation; -1 when refused), ``train_tokens`` (int64, what packing will
-    use after the length policy), ``length_action`` ("keep", "truncate", "split" or "drop": raytrain.dataset
-    .length; "" when refused), ``dropped_text_turns`` / ``dropped_text_chars`` (int64: assistant turns whose
-    text was dropped for their tool calls, and that text's characters), ``status`` ("ok", "untokenizable" or "too_many_tokens") and
-    ``detail``. Assistant turns with text and tool calls are first fitted to the tokenizer
-    (tokenize.fit_tool_call_turns): ``messages_json`` is rewritten when text was dropped, so the written row is
-    what gets trained."""
+    ``num_tokens`` (the whole conversation; -1 when refused), ``train_tokens`` (what packing keeps after the length
+    policy), ``length_action`` ("keep", "truncate", "split" or "drop": raytrain.dataset.length; "" when refused),
+    ``dropped_text_turns`` / ``dropped_text_chars`` (assistant turns whose text was dropped for their tool calls,
+    and that text's characters); ``status`` becomes "untokenizable" or "too_many_tokens" for the rows refused
+    (their ids stay empty), with ``detail``. Assistant turns with text and tool calls are first fitted to the
+    tokenizer (tokenize.fit_tool_call_turns): ``messages_json`` is rewritten when text was dropped, so the
+    written row is what gets trained."""
     from raytrain.dataset.length import TOO_MANY_TOKENS, decide_length
     from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
     from raytrain.errors import RaytrainError
 
     tokenizer = load_tokenizer(tokenizer_version)
-    cols: dict[str, list] = {k: [] for k in ("num_tokens", "train_tokens", "length_action", "status", "detail",
-                                             "dropped_text_turns", "dropped_text_chars", "messages_json")}
+    cols = _defaults(TOKENS, 0) | {"status": [], "detail": [], "messages_json": []}
 
     def emit(**values) -> None:
         for k, v in values.items():
@@ -254,7 +277,7 @@ def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str, seq_len: int
             tokenized = tokenize_conversation(fitted.messages, tokenizer, verify=False)
         except (RaytrainError, ValueError) as e:  # ValueError: pydantic's ValidationError, bad JSON
             emit(num_tokens=-1, train_tokens=0, length_action="", status=UNTOKENIZABLE, detail=str(e)[:500],
-                 dropped_text_turns=0, dropped_text_chars=0, messages_json=messages_json)
+                 dropped_text_turns=0, dropped_text_chars=0, messages_json=messages_json, input_ids=[], loss_mask=[])
             continue
         decision = decide_length(tokenized.loss_mask, seq_len, length_policy)
         dropped = decision.action == "drop"
@@ -262,14 +285,47 @@ def tokenize_check_batch(pdf: pd.DataFrame, tokenizer_version: str, seq_len: int
              status=TOO_MANY_TOKENS if dropped else OK, detail=decision.detail,
              dropped_text_turns=fitted.dropped_text_turns, dropped_text_chars=fitted.dropped_text_chars,
              messages_json=json.dumps(fitted.messages, ensure_ascii=False) if fitted.dropped_text_turns
-             else messages_json)
+             else messages_json,
+             input_ids=[] if dropped else tokenized.input_ids, loss_mask=[] if dropped else tokenized.loss_mask)
     out = pdf.copy()
     for k, values in cols.items():
-        out[k] = np.asarray(values, dtype=np.int64) if k in INT_TOKEN_COLUMNS else values
+        out[k] = np.asarray(values, dtype=np.int64) if pa.types.is_int64(_TYPE_OF.get(k, pa.null())) else values
     return out
 
 
-INT_TOKEN_COLUMNS = ("num_tokens", "train_tokens", "dropped_text_turns", "dropped_text_chars")
+_TYPE_OF = {f.name: f.type for f in TOKENS}
+
+
+# ---- pass 2: selection, corpus context, tokenization ----------------------------------------------------------------
+def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[str, Any],
+                 corpus: dict[str, Any] | None = None) -> pd.DataFrame:
+    """Rows of the finishing pass (PREPARED's row columns with the final dedup/decontamination verdict in
+    ``status``) -> ``finished_schema(corpus is not None)`` rows in the same order.
+
+    Rows with status "ok" go through ``select_batch(**select)``, ``corpus_udfs.corpus_context_batch(**corpus)``
+    (with a corpus) and ``tokenize_batch(**tokenize)``, which may still quarantine them; the others pass through
+    with their reason, empty text (the quarantine keeps uuid, split, category, reason and detail) and
+    ``num_tokens`` -1 (never tokenized)."""
+    schema = finished_schema(corpus is not None)
+    keep = (pdf["status"] == OK).to_numpy()
+    parts = []
+    if keep.any():
+        ok = select_batch(pdf[keep], **select)
+        if corpus is not None:
+            from raytrain.enrich.corpus_udfs import corpus_context_batch
+
+            ok = corpus_context_batch(ok, **corpus)
+        parts.append(tokenize_batch(ok, **tokenize))
+    if not keep.all():
+        rest = pdf[~keep][[n for n in schema.names if n in pdf.columns]].copy()
+        rest[["context", "question", "answer", "messages_json"]] = ""
+        for name, values in _defaults(schema, len(rest)).items():
+            if name not in rest.columns:
+                rest[name] = values
+        rest["num_tokens"] = -1
+        parts.append(rest)
+    out = pd.concat(parts).loc[pdf.index] if parts else pdf.iloc[:0].reindex(columns=schema.names)
+    return out[list(schema.names)]
 
 
 def map_batches(fn, **kwargs):

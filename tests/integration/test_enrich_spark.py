@@ -6,6 +6,7 @@ import os
 from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -125,7 +126,11 @@ def test_every_row_accounted_for(out):
         assert step["rows_in"] == step["rows_out"] + sum(step["quarantined"].values())
     seen = [r["uuid"] for r in out.enriched] + [q["uuid"] for q in out.quarantine if q["uuid"]]
     assert sorted(seen) == sorted(r["uuid"] for r in out.raw if r["uuid"])
-    assert [r["uuid"] for r in out.enriched] == sorted(r["uuid"] for r in out.enriched)
+    files = sorted(p for p in os.listdir(out.result.enriched.path) if p.endswith(".parquet"))
+    assert len(files) > 1  # hash-partitioned by uuid, no global sort: each file sorted, the files' order fixed
+    for name in files:
+        uuids = pq.read_table(os.path.join(out.result.enriched.path, name), columns=["uuid"]).column("uuid").to_pylist()
+        assert uuids == sorted(uuids), name
 
 
 def _raw_by_uuid(out) -> dict:
@@ -238,9 +243,10 @@ def test_scores_equal_sentence_transformers_cos_sim(out):
 
 def test_enriched_conversations_tokenize_like_mistral_common(out):
     tokenizer = load_tokenizer(out.job.dataset.tokenizer)
-    for r in out.enriched:
-        ids = tokenize_conversation(json.loads(r["messages_json"]), tokenizer, verify=True).input_ids
-        assert len(ids) == r["num_tokens"]
+    for r in out.enriched:  # verify=True: the ids equal mistral-common's encode_chat_completion
+        tokenized = tokenize_conversation(json.loads(r["messages_json"]), tokenizer, verify=True)
+        assert len(tokenized.input_ids) == r["num_tokens"]
+        assert r["input_ids"] == tokenized.input_ids and r["loss_mask"] == tokenized.loss_mask, r["uuid"]
 
 
 def test_manifest_and_summary_written(out):
@@ -277,12 +283,21 @@ def test_manifest_and_summary_written(out):
 
 
 def test_hand_off_packs_without_error(out):
-    from raytrain.dataset.stream import tokenize_and_pack
+    from raytrain.dataset.stream import pack_enriched
 
-    packed = tokenize_and_pack(out.result.enriched, out.run_root.join("data", "packed"), out.job.dataset, "h")
+    packed = pack_enriched(out.result.enriched, out.run_root.join("data", "packed"), out.job.dataset, "h")
     held_out = packed.validation.num_real_tokens if packed.validation else 0  # the demo holds 5% out
     # every enriched row's tokens, in training or validation: nothing chunked, nothing cut, nothing lost
     assert packed.num_real_tokens + held_out == sum(r["num_tokens"] for r in out.enriched)
+    # packing the stored ids gives the packs that tokenizing the conversations again gives
+    from raytrain.dataset.pack import PACK_COLUMNS, pack_batch, tokenize_frame
+
+    rows = pd.DataFrame(out.enriched)
+    stored = pack_batch(rows, out.job.dataset.seq_len, out.job.dataset.length_policy)
+    again = pack_batch(tokenize_frame(rows[["uuid", "messages_json"]], out.job.dataset.tokenizer),
+                       out.job.dataset.seq_len, out.job.dataset.length_policy)
+    for name in (*PACK_COLUMNS, "doc_ids", "num_tokens", "num_targets"):
+        np.testing.assert_array_equal(stored[name], again[name], err_msg=name)
 
 
 def test_schema_error_names_column_and_file(out, tmp_path):

@@ -25,6 +25,7 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
+from raytrain.dataset.pack import tokenize_frame
 from raytrain.dataset.tokenize import TOKENIZER_FILES
 from raytrain.pipeline.engine import DS_TAG
 from raytrain.pipeline.model import MistralConfig, build_sequential
@@ -44,7 +45,7 @@ def _overrides(root) -> list[str]:
 
 def _write_packed(job, num_conversations: int):
     """Synthetic enriched rows (uuid, messages_json) -> Ray Data tokenize + pack into the run's data folder."""
-    from raytrain.dataset.stream import tokenize_and_pack
+    from raytrain.dataset.stream import pack_enriched
 
     rng = random.Random(1)
     rows = {"uuid": [], "messages_json": []}
@@ -57,8 +58,8 @@ def _write_packed(job, num_conversations: int):
     run = open_run(job)
     enriched = run.root.join("data", "synthetic_enriched")
     enriched.mkdirs()
-    pq.write_table(pa.table(rows), enriched.join("part-00000.parquet").path)
-    packed = tokenize_and_pack(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
+    pq.write_table(pa.Table.from_pandas(tokenize_frame(pa.table(rows).to_pandas(), job.dataset.tokenizer), preserve_index=False), enriched.join("part-00000.parquet").path)
+    packed = pack_enriched(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
     # `raytrain enrich` would have created reports/; the trainer writes into it without creating it (bug reported)
     run.root.join("reports").mkdirs()
     return packed

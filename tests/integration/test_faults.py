@@ -2,7 +2,7 @@
 disk, a Spark executor SIGKILLed during enrichment. Each run must end as an undisturbed run would (same weights, same
 micro-batches, same row count) or fail with an error naming what is broken.
 
-Training runs skip Spark: synthetic conversations are packed once with raytrain.dataset.stream.tokenize_and_pack and
+Training runs skip Spark: synthetic conversations are packed once with raytrain.dataset.stream.pack_enriched and
 copied into each run (the packed sequences are the run's fixed data; checkpoints record a position in them).
 """
 
@@ -26,6 +26,7 @@ import pytest
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
+from raytrain.dataset.pack import tokenize_frame
 from raytrain.errors import RaytrainError
 from raytrain.runner import open_run, run_train
 from raytrain.storage import resolve
@@ -157,14 +158,15 @@ def runs_root(ray_local, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(runs_root):
     """An uninterrupted run: packs the synthetic data once, trains MAX_STEPS steps."""
-    from raytrain.dataset.stream import tokenize_and_pack
+    from raytrain.dataset.stream import pack_enriched
 
+    job = make_job(runs_root, "reference")
     enriched = runs_root / "enriched"
     enriched.mkdir()
-    pq.write_table(synthetic_conversations(NUM_CONVERSATIONS), str(enriched / "part-00000.parquet"))
-    job = make_job(runs_root, "reference")
+    rows = tokenize_frame(synthetic_conversations(NUM_CONVERSATIONS).to_pandas(), job.dataset.tokenizer)
+    pq.write_table(pa.Table.from_pandas(rows, preserve_index=False), str(enriched / "part-00000.parquet"))
     run = open_run(job)
-    packed = tokenize_and_pack(resolve(str(enriched)), run.root.join("data", "packed"), job.dataset, run.data_hash)
+    packed = pack_enriched(resolve(str(enriched)), run.root.join("data", "packed"), job.dataset, run.data_hash)
     assert packed.num_packs >= 2 * job.train.global_batch_size
     ensure_reports_dir(run)
     t0 = time.perf_counter()

@@ -29,6 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raytrain.config import DatasetConfig
+from raytrain.dataset.pack import tokenize_frame
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RAY_BIN = os.path.join(os.path.dirname(sys.executable), "ray")
 RUN_NAME = "ops"
@@ -244,7 +247,7 @@ def job_overrides(storage_root: str, run_name: str = RUN_NAME, max_steps: int = 
 
 
 def write_enriched(folder: str, num_rows: int = 64) -> None:
-    """Synthetic conversations in the enrich stage's output schema (uuid, messages_json)."""
+    """Synthetic conversations in the enrich stage's output schema (uuid, token ids, loss mask)."""
     rows = []
     for i in range(num_rows):
         messages = [{"role": "user", "content": f"What is {i} plus {i + 1}? Explain the steps."},
@@ -252,8 +255,8 @@ def write_enriched(folder: str, num_rows: int = 64) -> None:
                                                      f"second number is one more than the first."}]
         rows.append({"uuid": f"conv-{i:04d}", "messages_json": json.dumps(messages)})
     os.makedirs(folder, exist_ok=True)
-    pq.write_table(pa.Table.from_pandas(pd.DataFrame(rows), preserve_index=False),
-                   os.path.join(folder, "part-0.parquet"))
+    pq.write_table(pa.Table.from_pandas(tokenize_frame(pd.DataFrame(rows), DatasetConfig().tokenizer),
+                                        preserve_index=False), os.path.join(folder, "part-0.parquet"))
 
 
 def prepack_run(cluster_address: str, storage_root: str, overrides: list[str]):
@@ -261,7 +264,7 @@ def prepack_run(cluster_address: str, storage_root: str, overrides: list[str]):
     import ray
 
     from raytrain.config import load_job_config
-    from raytrain.dataset.stream import tokenize_and_pack
+    from raytrain.dataset.stream import pack_enriched
     from raytrain.runner import open_run
     from raytrain.storage import resolve
 
@@ -272,7 +275,7 @@ def prepack_run(cluster_address: str, storage_root: str, overrides: list[str]):
     # the packing tasks import raytrain: this driver is not a submitted job, so point its workers at the repo
     ray.init(address=cluster_address, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO}})
     try:
-        packed = tokenize_and_pack(resolve(enriched), run.root.join("data", "packed"), job.dataset, run.data_hash)
+        packed = pack_enriched(resolve(enriched), run.root.join("data", "packed"), job.dataset, run.data_hash)
     finally:
         ray.shutdown()
     # An earlier enrich leaves reports/enrich_report.json; the trainer's workers append to reports/ and do not

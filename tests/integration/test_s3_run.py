@@ -22,6 +22,7 @@ from loopback_s3 import AWS_VARS, loopback_s3
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
+from raytrain.dataset.pack import tokenize_frame
 from raytrain.runner import WORKER_ENV, open_run, run_train
 from raytrain.storage import resolve
 
@@ -92,14 +93,15 @@ def _job(root: str, run_name: str, endpoint: str, *extra: str):
 def s3_run(ray_s3, s3_endpoint, tmp_path_factory):
     """Pack synthetic data into the S3 run root (Ray Data writes through the resolver's filesystem), then train a
     first launch that stops at FIRST_LAUNCH_STOP, as a preempted allocation would."""
-    from raytrain.dataset.stream import tokenize_and_pack
+    from raytrain.dataset.stream import pack_enriched
 
     local = tmp_path_factory.mktemp("s3-src")
-    pq.write_table(synthetic_conversations(120), str(local / "part-00000.parquet"))
     job = _job(f"s3://{BUCKET}/raytrain", "s3run", s3_endpoint, f"train.stop_at_step={FIRST_LAUNCH_STOP}")
+    pq.write_table(pa.Table.from_pandas(tokenize_frame(synthetic_conversations(120).to_pandas(), job.dataset.tokenizer), preserve_index=False),
+                   str(local / "part-00000.parquet"))
     run = open_run(job)
     assert run.root.scheme == "s3" and run.root.uri == f"s3://{BUCKET}/raytrain/ci/demo/s3run"
-    packed = tokenize_and_pack(resolve(str(local)), run.root.join("data", "packed"), job.dataset, run.data_hash)
+    packed = pack_enriched(resolve(str(local)), run.root.join("data", "packed"), job.dataset, run.data_hash)
     first = run_train(job)
     return {"job": job, "run": run, "packed": packed, "first": first, "local": local}
 

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytrain.config import load_job_config
+from raytrain.dataset.pack import tokenize_frame
 from raytrain.pipeline.model import MistralConfig
 from raytrain.runner import WORKER_ENV, open_run, run_train
 
@@ -53,13 +54,14 @@ def synthetic_conversations(num_conversations: int, seed: int = 0) -> pa.Table:
 def write_packed(job, num_conversations: int):
     """Pack synthetic conversations with Ray Data into <run>/data/packed under the run's data hash (what
     runner.run_train looks for). Returns the PackedData."""
-    from raytrain.dataset.stream import tokenize_and_pack
+    from raytrain.dataset.stream import pack_enriched
 
     run = open_run(job)
     enriched = run.root.join("data", "synthetic_enriched")
     enriched.mkdirs()
-    pq.write_table(synthetic_conversations(num_conversations), enriched.join("part-00000.parquet").path)
-    packed = tokenize_and_pack(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
+    pq.write_table(pa.Table.from_pandas(tokenize_frame(synthetic_conversations(num_conversations).to_pandas(), job.dataset.tokenizer), preserve_index=False),
+                   enriched.join("part-00000.parquet").path)
+    packed = pack_enriched(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
     ensure_reports_dir(job)
     return packed
 

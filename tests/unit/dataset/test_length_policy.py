@@ -10,7 +10,7 @@ from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMe
 from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
 from raytrain.dataset.length import DROP, KEEP, SPLIT, TRUNCATE, apply_length, decide_length, final_answer_start
-from raytrain.dataset.pack import IGNORE_INDEX, tokenize_and_pack_batch
+from raytrain.dataset.pack import IGNORE_INDEX, pack_batch, tokenize_frame
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
 
@@ -69,7 +69,7 @@ def test_truncate_keeps_prompt_and_answer_start(tokenizer):
     ids, mask = apply_length(tok.input_ids, tok.loss_mask, seq_len, TRUNCATE)
     assert list(ids) == ref[:seq_len] and list(mask) == tok.loss_mask[:seq_len]
     batch = pd.DataFrame({"uuid": ["a"], "messages_json": [json.dumps(_conversation())]})
-    out = tokenize_and_pack_batch(batch, "v3", seq_len, TRUNCATE)
+    out = pack_batch(tokenize_frame(batch, "v3"), seq_len, TRUNCATE)
     assert out["input_ids"].tolist() == [ref[:seq_len]] and out["num_tokens"].tolist() == [seq_len]
     labels = out["labels"][0]
     # Labels: the answer's first 20 tokens as targets of the positions before them, nothing after the cut.
@@ -81,8 +81,8 @@ def test_drop_refuses_in_packing_and_split_keeps_every_token(tokenizer):
     ref = _reference_ids(tokenizer)
     batch = pd.DataFrame({"uuid": ["long"], "messages_json": [json.dumps(_conversation())]})
     with pytest.raises(RaytrainError, match=r"uuid='long'.*should have quarantined"):
-        tokenize_and_pack_batch(batch, "v3", 64, DROP)
-    out = tokenize_and_pack_batch(batch, "v3", 64, SPLIT)
+        pack_batch(tokenize_frame(batch, "v3"), 64, DROP)
+    out = pack_batch(tokenize_frame(batch, "v3"), 64, SPLIT)
     assert out["num_tokens"].sum() == len(ref)
     assert np.concatenate([row[:n] for row, n in zip(out["input_ids"], out["num_tokens"], strict=True)]).tolist() \
         == ref

@@ -1,4 +1,4 @@
-"""pack_documents / tokenize_and_pack_batch: no token lost or duplicated, fixed shapes, labels per segment.
+"""pack_documents / pack_batch (of tokenize_frame's ids): no token lost or duplicated, fixed shapes, labels per segment.
 
 Reference for positions and labels: transformers' DataCollatorWithFlattening (padding-free packing with
 positions restarting per sequence and unshifted labels, -100 at each sequence start).
@@ -13,7 +13,7 @@ from mistral_common.protocol.instruct.messages import AssistantMessage, UserMess
 from mistral_common.protocol.instruct.request import ChatCompletionRequest
 from transformers import DataCollatorWithFlattening
 
-from raytrain.dataset.pack import IGNORE_INDEX, PAD_SEGMENT_ID, pack_documents, tokenize_and_pack_batch
+from raytrain.dataset.pack import IGNORE_INDEX, PAD_SEGMENT_ID, pack_batch, pack_documents, tokenize_frame
 from raytrain.dataset.tokenize import load_tokenizer
 from raytrain.errors import RaytrainError
 
@@ -122,12 +122,12 @@ def conversation(i):
 
 
 @pytest.mark.parametrize("version", ["v1", "v3"])
-def test_tokenize_and_pack_batch_shapes_and_content(version):
+def test_pack_batch_shapes_and_content(version):
     seq_len = 64
     batch = pd.DataFrame(
         {"uuid": [f"u{i}" for i in range(9)], "messages_json": [json.dumps(conversation(i)) for i in range(9)]}
     )
-    out = tokenize_and_pack_batch(batch, version, seq_len, "drop")
+    out = pack_batch(tokenize_frame(batch, version), seq_len, "drop")
 
     num_packs = len(out["doc_ids"])
     assert set(out) == {"input_ids", "labels", "position_ids", "segment_ids", "doc_ids", "num_tokens", "num_targets"}
@@ -161,9 +161,11 @@ def test_tokenize_and_pack_batch_shapes_and_content(version):
             assert tokenizer.decode(targets[targets != IGNORE_INDEX].tolist()) == f"The answer is {2 * i}."
 
 
-def test_tokenize_and_pack_batch_empty_and_bad_rows():
-    empty = tokenize_and_pack_batch(pd.DataFrame({"uuid": [], "messages_json": []}), "v3", 32, "drop")
+def test_pack_batch_empty_and_bad_rows():
+    empty = pack_batch(tokenize_frame(pd.DataFrame({"uuid": [], "messages_json": []}), "v3"), 32, "drop")
     assert empty["input_ids"].shape == (0, 32) and empty["doc_ids"].shape == (0,)
     bad = pd.DataFrame({"uuid": ["ok", "bad"], "messages_json": [json.dumps(conversation(1)), json.dumps([])]})
-    with pytest.raises(RaytrainError, match=r"uuid='bad' \(batch row 1\)"):
-        tokenize_and_pack_batch(bad, "v3", 32, "drop")
+    with pytest.raises(RaytrainError, match=r"uuid='bad' \(row 1\)"):
+        tokenize_frame(bad, "v3")
+    with pytest.raises(RaytrainError, match=r"missing column\(s\) \['input_ids', 'loss_mask'\].*re-run the enrichment"):
+        pack_batch(bad, 32, "drop")  # enriched rows from before token ids were stored

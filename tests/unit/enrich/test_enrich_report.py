@@ -3,7 +3,7 @@
 import pytest
 
 from raytrain.config import load_job_config
-from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, merge_reasons, summary_text
+from raytrain.enrich.report import StepCounts, dedup_ratio, enrich_config_hash, step_counts, summary_text
 from raytrain.runner import Run
 from raytrain.storage import resolve
 
@@ -23,14 +23,14 @@ def test_step_counts_must_account_for_every_row():
 
 
 def _report():
-    steps = [StepCounts("derive", 100, 90, {"bad_role": 10}), StepCounts("exact_dedup", 90, 80, {"exact_duplicate": 10}),
-             StepCounts("near_dedup", 80, 71, {"near_duplicate": 9}),
-             StepCounts("tokenize_check", 71, 70, {"untokenizable": 1})]
+    reasons = {"bad_role": 10, "exact_duplicate": 10, "near_duplicate": 9, "untokenizable": 1}
+    steps = step_counts(100, reasons, corpus=False)
     dist = {"count": 3, "min": 0.1, "p50": 0.2, "p90": 0.3, "max": 0.4}
     return steps, {
         "run_uri": "file:///r", "config_hash": "abc", "seconds": 1.0, "rows_in": 100, "rows_in_per_split": {"chat": 100},
-        "rows_out": 70, "quarantined": merge_reasons(steps), "quarantined_total": 30,
+        "rows_out": 70, "quarantined": reasons, "quarantined_total": 30,
         "steps": [s.to_dict() for s in steps], "dedup_ratio": dedup_ratio(steps),
+        "passes": {"prepare_and_dedup": 2.5, "finish": 7.25},
         "decontamination": {"count": 0, "ngram": 13, "eval_sets": [], "eval_ngrams": 0, "rows": []},
         "similarity": {"question_weight": 0.5, "all_sentences": dist, "kept_sentences": {"count": 0},
                        "rows_with_candidates": 50},
@@ -39,18 +39,24 @@ def _report():
     }
 
 
-def test_merge_reasons_and_dedup_ratio():
-    steps, report = _report()
-    assert report["quarantined"] == {"bad_role": 10, "exact_duplicate": 10, "near_duplicate": 9, "untokenizable": 1}
-    assert report["dedup_ratio"] == pytest.approx(19 / 90, abs=1e-6)
+def test_step_counts_follow_the_reasons_through_the_chain_and_dedup_ratio():
+    steps, _ = _report()
+    assert [(c.step, c.rows_in, c.rows_out, c.quarantined) for c in steps] == [
+        ("derive", 100, 90, {"bad_role": 10}), ("license", 90, 90, {}), ("exact_dedup", 90, 80, {"exact_duplicate": 10}),
+        ("near_dedup", 80, 71, {"near_duplicate": 9}), ("decontaminate", 71, 71, {}), ("select_context", 71, 71, {}),
+        ("tokenize_check", 71, 70, {"untokenizable": 1})]
+    assert [c.step for c in step_counts(5, {}, corpus=True)][-2:] == ["corpus_context", "tokenize_check"]
+    assert dedup_ratio(steps) == pytest.approx(19 / 90, abs=1e-6)
     assert dedup_ratio(steps[:1]) == 0.0
+    with pytest.raises(AssertionError, match="-1 rows out"):
+        step_counts(3, {"bad_role": 2, "license": 2}, corpus=False)
 
 
 def test_summary_text_lists_steps_reasons_and_distributions():
     _, report = _report()
     text = summary_text(report)
     for needle in ("derive", "exact_dedup", "near_dedup", "untokenizable 1", "21.11%", "p90 0.300", "kept 70",
-                   "max 8"):
+                   "max 8", "passes: prepare_and_dedup 2.5 s, finish 7.2 s"):
         assert needle in text, needle
 
 
@@ -90,7 +96,7 @@ def test_summary_text_corpus_section():
               "duplicates_collapsed": 11, "sentences": 49, "reused": False, "sentences_embedded_this_run": 49,
               "embed_seconds": 3.2, "contaminated_removed": 1, "searchable": 48, "method": "approximate",
               "exact_max_sentences": 10, "recall": {"k": 3, "recall": 1.0, "rows": 20}, "ann_build_seconds": 0.1,
-              "retrieve_seconds": 1.5, "rows": 70, "rows_added": 4, "rows_own_context": 50,
+              "rows": 70, "rows_added": 4, "rows_own_context": 50,
               "rows_below_min_score": 16, "min_score": 0.4, "sentences_added": 4,
               "sentences_dropped_at_block_check": 0, "scores": dist, "question": dist, "answer": dist,
               "per_split": {"chat": {"rows": 70, "rows_added": 4, "scores": dist}},

@@ -14,7 +14,7 @@ from raytrain.config import EnrichConfig
 from raytrain.enrich import udfs
 from raytrain.enrich.conversation import Example, derive_example
 from raytrain.enrich.decontam import build_eval_index, contaminated
-from raytrain.enrich.dedup import estimated_jaccard, lsh_band_keys, minhash_signature
+from raytrain.enrich.dedup import estimated_jaccard, exact_key, lsh_band_keys, minhash_signature
 from raytrain.sample_data import write_sample_dataset
 
 
@@ -28,39 +28,50 @@ def sample_batch(tmp_path_factory):
     return pdf, table.to_pylist()
 
 
+PREPARE = {"max_chars": EnrichConfig().max_chars, "licenses": ["MIT", "cc-by-4.0"], "num_perm": 32, "bands": 8,
+           "rows": 4, "shingle_chars": 5, "ngram": 13}
+
+
 def _work_row(uuid, messages, **kw):
     ex = derive_example({"uuid": uuid, "license": "mit", "category": "chat", "messages": messages})
     assert isinstance(ex, Example), ex
-    out = udfs.derive_batch(pd.DataFrame([{"uuid": uuid, "license": "mit", "category": "chat", "reasoning": "off",
-                                           "messages": messages, "row_id": kw.get("row_id", 0), "split": "chat"}]),
-                            max_chars=EnrichConfig().max_chars)
-    return out.drop(columns=["status", "detail"])
+    out = udfs.prepare_batch(pd.DataFrame([{"uuid": uuid, "license": "mit", "category": "chat", "reasoning": "off",
+                                            "messages": messages, "row_id": kw.get("row_id", 0), "split": "chat"}]),
+                             eval_index=udfs.build_sorted_index([]), **PREPARE)
+    assert out["status"].tolist() == [udfs.OK]
+    return out[list(udfs.PREPARED.names[:12])]
 
 
-def test_derive_batch_matches_derive_example(sample_batch):
+def test_prepare_batch_matches_the_reference_functions(sample_batch):
     pdf, rows = sample_batch
-    out = udfs.derive_batch(pdf, max_chars=EnrichConfig().max_chars)
-    assert list(out.columns) == list(udfs.DERIVED_COLUMNS) and len(out) == len(rows)
+    texts = [ex.full_text() for ex in (derive_example(r) for r in rows) if isinstance(ex, Example)]
+    eval_hashes = build_eval_index(texts[:2], 13)  # two rows' text as the eval set: those two are contaminated
+    out = udfs.prepare_batch(pdf, eval_index=udfs.build_sorted_index(eval_hashes), **PREPARE)
+    assert list(out.columns) == udfs.PREPARED.names and len(out) == len(rows)
+    pa.Table.from_pandas(out, schema=udfs.PREPARED, preserve_index=False)  # the schema Spark is told holds
+    verdicts = set()
     for got, row in zip(out.to_dict("records"), rows, strict=True):
         ref = derive_example(row)
-        if isinstance(ref, Example):
+        if isinstance(ref, Example) and ref.license.strip().lower() in ("mit", "cc-by-4.0"):
             assert got["status"] == udfs.OK
-            assert (got["uuid"], got["context"], got["question"], got["answer"], got["text"]) == \
-                (ref.uuid, ref.context, ref.question, ref.answer, ref.full_text())
+            assert (got["uuid"], got["context"], got["question"], got["answer"]) == \
+                (ref.uuid, ref.context, ref.question, ref.answer)
             assert json.loads(got["messages_json"]) == list(ref.messages)
+            assert got["exact_key"] == exact_key(ref.full_text())
+            sig = minhash_signature(ref.full_text(), num_perm=32, ngram=5)
+            assert np.array_equal(np.frombuffer(got["signature"], dtype=np.uint32), sig)
+            assert list(got["band_keys"]) == lsh_band_keys(sig, 8, 4).tolist()
+            assert got["eval_ngrams"] == contaminated(ref.full_text(), eval_hashes, 13)[1]
+        elif isinstance(ref, Example):
+            assert got["status"] == udfs.LICENSE and f"license '{ref.license}'" in got["detail"]
         else:
             uuid = None if pd.isna(got["uuid"]) else got["uuid"]  # pandas holds a missing string as NaN
             # same verdict; the detail's wording may differ (numpy arrays print differently from lists)
             assert (got["status"], uuid) == (ref.reason, ref.uuid) and got["detail"]
-
-
-def test_minhash_batch_matches_dedup():
-    pdf = pd.DataFrame({"row_id": [3, 7], "uuid": ["a", "b"], "text": ["the quick brown fox", ""]})
-    out = udfs.minhash_batch(pdf, num_perm=32, bands=8, rows=4)
-    for text, sig, keys in zip(pdf["text"], out["signature"], out["band_keys"], strict=True):
-        ref = minhash_signature(text, num_perm=32, ngram=5)
-        assert np.array_equal(np.frombuffer(sig, dtype=np.uint32), ref)
-        assert keys == lsh_band_keys(ref, 8, 4).tolist()
+            assert (got["messages_json"], got["signature"], list(got["band_keys"])) == ("", b"", [])
+        verdicts.add(got["status"])
+    assert {udfs.OK, udfs.LICENSE} < verdicts and len(verdicts) >= 4
+    assert (out["eval_ngrams"] > 0).sum() >= 2
 
 
 def test_verify_bucket_matches_estimated_jaccard():
@@ -84,18 +95,42 @@ def test_verify_bucket_matches_estimated_jaccard():
     assert len(want) >= 3
 
 
+def _pairs(edges):
+    return pd.DataFrame([(a[1], a[0], b[1], b[0], j) for a, b, j in edges], columns=udfs.PAIRS.names)
+
+
 def test_near_duplicate_drops_are_connected_components_minus_smallest():
     rng = np.random.default_rng(1)
     ids = [(f"u{rng.integers(0, 10**6):06d}", i) for i in range(60)]
-    edges = [(ids[a], ids[b], float(rng.uniform(0.8, 1.0))) for a, b in rng.integers(0, 60, size=(45, 2)) if a != b]
-    drops = udfs.near_duplicate_drops(edges)
+    edges = [(min(ids[a], ids[b]), max(ids[a], ids[b]), float(rng.uniform(0.8, 1.0)))
+             for a, b in rng.integers(0, 60, size=(45, 2)) if a != b]
+    got = udfs.near_duplicate_drops(_pairs(edges))
     g = nx.Graph()
     g.add_edges_from((a, b) for a, b, _ in edges)
     want = {x: min(c) for c in nx.connected_components(g) for x in c if x != min(c)}
-    assert {x: d.kept for x, d in drops.items()} == want
-    for x, d in drops.items():  # the neighbor is the best-scoring verified partner
+    by_row = {i: u for u, i in ids}
+    assert sorted(got["row_id"]) == sorted(x[1] for x in want)
+    for row_id, detail in zip(got["row_id"], got["dup_detail"], strict=True):
+        x = (by_row[row_id], row_id)
         partners = [(j, b) for a, b, j in edges if a == x] + [(j, a) for a, b, j in edges if b == x]
-        assert d.jaccard == max(j for j, _ in partners) and (d.jaccard, d.neighbor) in partners
+        best = max(j for j, _ in partners)
+        neighbor = min(p for j, p in partners if j == best)  # ties: the smallest partner
+        assert detail == (f"near-duplicate of {want[x][0]} (cluster kept; estimated Jaccard {best:.3f} with "
+                          f"{neighbor[0]})")
+
+
+def test_near_duplicate_chains_and_stars_keep_one_row_each():
+    # a chain a~b~c~d (a and d far apart: only the links make them one cluster) and a star around e, the
+    # smallest uuid of neither cluster a hub; row ids out of order so (uuid, row_id) order decides the kept row
+    chain = [(("a", 9), ("b", 3), 0.9), (("b", 3), ("c", 1), 0.85), (("c", 1), ("d", 7), 0.82)]
+    star = [(("e", 5), ("f", 2), 0.95), (("e", 5), ("g", 8), 0.81), (("e", 5), ("h", 4), 0.88)]
+    got = udfs.near_duplicate_drops(_pairs(chain + star))
+    details = dict(zip(got["row_id"], got["dup_detail"], strict=True))
+    assert sorted(details) == [1, 2, 3, 4, 7, 8]  # all but a (9) and e (5): one kept row per cluster
+    assert details[7] == "near-duplicate of a (cluster kept; estimated Jaccard 0.820 with c)"
+    assert details[1] == "near-duplicate of a (cluster kept; estimated Jaccard 0.850 with b)"
+    assert details[8] == "near-duplicate of e (cluster kept; estimated Jaccard 0.810 with e)"
+    assert udfs.near_duplicate_drops(_pairs([])).empty
 
 
 def test_contamination_counts_match_decontam_contaminated():
@@ -195,7 +230,7 @@ def test_final_answer_decides_when_the_trace_is_unrelated():
     assert (final["chunked_texts"], full["chunked_texts"]) == (0, 1)
 
 
-def test_tokenize_check_batch_flags_what_mistral_refuses():
+def test_tokenize_batch_stores_mistral_commons_ids_and_flags_what_it_refuses():
     from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
@@ -207,16 +242,20 @@ def test_tokenize_check_batch_flags_what_mistral_refuses():
     both = [good[0], {"role": "assistant", "content": "<think>x</think>", "tool_calls": [call]},
             {"role": "tool", "content": "1", "tool_calls": []}, {"role": "assistant", "content": "ok", "tool_calls": []}]
     pdf = pd.DataFrame({"uuid": ["g", "b"], "messages_json": [json.dumps(good), json.dumps(both)]})
-    out = udfs.tokenize_check_batch(pdf, "v3", seq_len=64, text_with_tool_calls="quarantine")
+    out = udfs.tokenize_batch(pdf, "v3", seq_len=64, text_with_tool_calls="quarantine")
     ref = load_tokenizer("v3").encode_chat_completion(
         ChatCompletionRequest(messages=[UserMessage(content="Say hi."), AssistantMessage(content="Hi!")])).tokens
     assert out["num_tokens"].tolist() == [len(ref), -1]
+    assert list(out["input_ids"][0]) == ref and list(out["input_ids"][1]) == []  # stored: packing reads them
+    inner = load_tokenizer("v3").instruct_tokenizer.tokenizer
+    trained = [t for t, m in zip(out["input_ids"][0], out["loss_mask"][0], strict=True) if m]
+    assert trained == [*inner.encode("Hi!", bos=False, eos=False), inner.eos_id]  # the loss mask: the reply only
     assert out["status"].tolist() == [udfs.OK, udfs.UNTOKENIZABLE]
     assert "both text content and tool_calls" in out["detail"][1]
     assert out["messages_json"].tolist() == pdf["messages_json"].tolist()
 
     # default policy: the text of the mixed turn is dropped, the call stays; messages_json says what is trained
-    out = udfs.tokenize_check_batch(pdf, "v3", seq_len=64)
+    out = udfs.tokenize_batch(pdf, "v3", seq_len=64)
     assert out["status"].tolist() == [udfs.OK, udfs.OK]
     assert out["dropped_text_turns"].tolist() == [0, 1]
     assert out["dropped_text_chars"].tolist() == [0, len("<think>x</think>")]
@@ -227,9 +266,27 @@ def test_tokenize_check_batch_flags_what_mistral_refuses():
 
     # the length policy: seq_len just below the good row's length drops it with its count, truncate keeps it cut
     n = len(ref)
-    dropped = udfs.tokenize_check_batch(pdf.iloc[:1], "v3", seq_len=n - 1)
+    dropped = udfs.tokenize_batch(pdf.iloc[:1], "v3", seq_len=n - 1)
     assert dropped["status"].tolist() == ["too_many_tokens"] and dropped["num_tokens"].tolist() == [n]
     assert dropped["train_tokens"].tolist() == [0] and f"{n} tokens > dataset.seq_len={n - 1}" in dropped["detail"][0]
-    cut = udfs.tokenize_check_batch(pdf.iloc[:1], "v3", seq_len=n - 1, length_policy="truncate")
+    cut = udfs.tokenize_batch(pdf.iloc[:1], "v3", seq_len=n - 1, length_policy="truncate")
     assert cut["status"].tolist() == [udfs.OK] and cut["length_action"].tolist() == ["truncate"]
     assert (cut["num_tokens"].tolist(), cut["train_tokens"].tolist()) == ([n], [n - 1])
+
+
+def test_finish_batch_runs_the_kept_rows_and_passes_the_others_through_in_order():
+    good = [{"role": "system", "content": "Paris is the capital of France. Cats sleep a lot.", "tool_calls": []},
+            {"role": "user", "content": "What is the capital of France?", "tool_calls": []},
+            {"role": "assistant", "content": "Paris.", "tool_calls": []}]
+    rows = pd.concat([_work_row("z", good, row_id=1), _work_row("a", good, row_id=2)], ignore_index=True)
+    rows.loc[1, ["status", "detail"]] = [udfs.EXACT_DUPLICATE, "duplicate of z (same normalized text)"]
+    select = {"model_path": "", "batch_size": 16, "top_k": 1, "min_score": 0.0, "question_weight": 0.5}
+    out = udfs.finish_batch(rows, select=select, tokenize={"tokenizer_version": "v3", "seq_len": 256})
+    assert list(out.columns) == udfs.finished_schema(False).names
+    pa.Table.from_pandas(out, schema=udfs.finished_schema(False), preserve_index=False)  # what Spark is told
+    assert out["uuid"].tolist() == ["z", "a"] and out["status"].tolist() == [udfs.OK, udfs.EXACT_DUPLICATE]
+    kept, passed = out.iloc[0], out.iloc[1]
+    assert list(kept["kept_sentences"]) == ["Paris is the capital of France."] and kept["num_tokens"] > 0
+    assert len(kept["input_ids"]) == kept["num_tokens"] == len(kept["loss_mask"])
+    assert passed["detail"] == "duplicate of z (same normalized text)" and passed["num_tokens"] == -1
+    assert (passed["messages_json"], list(passed["input_ids"]), list(passed["kept_sentences"])) == ("", [], [])
