@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -130,23 +131,28 @@ def discover_inputs(input_root: StorageLocation, splits: tuple[str, ...]) -> Inp
     return InputFiles(root=root, layout=layout, files=files, missing_shards=missing)
 
 
-def validate_inputs(inputs: InputFiles) -> dict[str, dict[str, int]]:
-    """Check every file's schema from its footer (no rows read); returns {split: {"files": n, "rows": rows}}.
+def validate_inputs(inputs: InputFiles) -> dict[str, dict[str, Any]]:
+    """Check every file's schema from its footer (no rows read); returns {split: {"files": n, "rows": rows,
+    "schema": the files' pyarrow schema when they all have the same one, else None}} (Spark reads with that
+    schema instead of inferring it: one job per read saved).
 
     Raises RaytrainError naming the file: not readable as Parquet, or a missing/mistyped column
     (schema.validate_schema)."""
-    counts: dict[str, dict[str, int]] = {}
+    counts: dict[str, dict[str, Any]] = {}
     for split, locs in inputs.files.items():
-        rows = 0
+        rows, schemas = 0, []
         for loc in locs:
             try:
                 with loc.filesystem.open_input_file(loc.path) as f:  # seekable: Parquet reads the footer
                     meta = pq.ParquetFile(f).metadata
             except Exception as e:  # pyarrow raises ArrowInvalid/OSError (a directory, non-Parquet bytes)
                 raise RaytrainError(f"{loc.uri}: not a readable Parquet file ({e}). Fix or remove it.") from None
-            validate_schema(meta.schema.to_arrow_schema(), loc.uri)
+            schema = meta.schema.to_arrow_schema()
+            validate_schema(schema, loc.uri)
             rows += meta.num_rows
-        counts[split] = {"files": len(locs), "rows": rows}
+            schemas.append(schema.remove_metadata())
+        same = all(s.equals(schemas[0]) for s in schemas)
+        counts[split] = {"files": len(locs), "rows": rows, "schema": schemas[0] if schemas and same else None}
     return counts
 
 

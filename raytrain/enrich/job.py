@@ -153,7 +153,8 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     passes: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    raw = steps.read_inputs(spark, {k: [loc.spark_uri for loc in v] for k, v in files.items()}, job.data.max_rows)
+    raw = steps.read_inputs(spark, {k: [loc.spark_uri for loc in v] for k, v in files.items()}, job.data.max_rows,
+                            {k: v["schema"] for k, v in footers.items()})
     prepared = steps.prepare(raw, eval_array, job)
     flags = steps.duplicates(spark, prepared, job).persist()  # collecting the verified pairs runs pass 1
     passes["prepare_and_dedup"] = time.perf_counter() - t0

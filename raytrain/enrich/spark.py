@@ -96,6 +96,10 @@ def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str,
         # Ray CPUs per executor actor: fewer than its Spark cores so Ray Data's tasks are never starved.
         "spark.ray.raydp_spark_executor.actor.resource.cpu": str(cfg.executor_ray_cpus),
         "spark.sql.shuffle.partitions": str(cfg.num_partitions),
+        # Adaptive execution submits every shuffle stage as a Spark job of its own: on the demo sample 22 jobs per
+        # enrichment with it, 6 without, and 44 s against 38 s (benchmarks/bench_enrich.py counts them). The
+        # enrichment sets its partition counts itself (enrich.num_partitions), which is what AQE would tune.
+        "spark.sql.adaptive.enabled": "false",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "256",
         "spark.ui.showConsoleProgress": "true" if console_progress else "false",

@@ -45,12 +45,22 @@ def spark_schema(schema: pa.Schema) -> T.StructType:
     return from_arrow_schema(schema)
 
 
-def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int) -> DataFrame:
+def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
+                schemas: dict[str, pa.Schema | None] | None = None) -> DataFrame:
     """Raw Nemotron rows of every split (``split`` column added; at most ``max_rows`` per split when > 0), with a
-    ``row_id`` unique per row, assigned before any shuffle so it is stable for the life of the job."""
+    ``row_id`` unique per row, assigned before any shuffle so it is stable for the life of the job. ``schemas``:
+    each split's files' pyarrow schema, read from their footers already (inputs.validate_inputs); given, Spark
+    reads with it instead of running a job to infer it."""
     frames = []
     for split, uris in files.items():
-        df = spark.read.parquet(*uris).select("uuid", "license", "category", "reasoning", "messages")
+        reader = spark.read
+        schema = (schemas or {}).get(split)
+        if schema is not None:
+            try:
+                reader = reader.schema(from_arrow_schema(schema))
+            except TypeError:  # a type Spark's converter does not map: let Spark infer it
+                pass
+        df = reader.parquet(*uris).select("uuid", "license", "category", "reasoning", "messages")
         if max_rows:
             df = df.limit(max_rows)
         frames.append(df.withColumn("split", F.lit(split)))

@@ -139,7 +139,7 @@ def test_symlinked_blobs_are_files(trees):
     assert os.path.islink(link.path) and link.is_file() and link.size() > 0
     inputs = discover_inputs(resolve(trees["repo"]), ("chat",))
     assert all(os.path.islink(loc.path) for loc in inputs.files["chat"])
-    assert validate_inputs(inputs) == {"chat": {"files": 2, "rows": 4}}
+    assert _counts(validate_inputs(inputs)) == {"chat": {"files": 2, "rows": 4}}
 
 
 def test_dangling_symlink_is_a_missing_shard(tmp_path):
@@ -192,7 +192,7 @@ def test_split_folders_with_any_parquet_names(tmp_path):
     assert inputs.layout == "split_folders" and inputs.missing_shards == {}
     assert [loc.name for loc in inputs.files["chat"]] == ["part-00000.parquet"]
     assert inputs.describe()[1] == "chat: 1 file (part-00000)"
-    assert validate_inputs(inputs) == {"chat": {"files": 1, "rows": 3}}
+    assert _counts(validate_inputs(inputs)) == {"chat": {"files": 1, "rows": 3}}
 
 
 def test_missing_path(tmp_path):
@@ -246,6 +246,10 @@ def test_inconsistent_shards(tmp_path, names, words):
     assert all(w in str(e.value) for w in words) and repr(split) in str(e.value)
 
 
+def _counts(footers: dict) -> dict:
+    return {split: {k: v for k, v in d.items() if k != "schema"} for split, d in footers.items()}
+
+
 def test_validate_inputs_counts_footers_and_names_bad_files(tmp_path):
     _write(str(tmp_path / "data" / "chat-00000-of-00002.parquet"), "a", n=5)
     _write(str(tmp_path / "data" / "code-00000-of-00001.parquet"), "b", n=3)
@@ -258,7 +262,14 @@ def test_validate_inputs_counts_footers_and_names_bad_files(tmp_path):
     with pytest.raises(RaytrainError, match=f"{bad}: column 'license' is missing"):
         validate_inputs(inputs)
     _write(str(bad), "c", n=4)
-    assert validate_inputs(inputs) == {"chat": {"files": 2, "rows": 9}, "code": {"files": 1, "rows": 3}}
+    footers = validate_inputs(inputs)
+    assert _counts(footers) == {"chat": {"files": 2, "rows": 9}, "code": {"files": 1, "rows": 3}}
+    # the files' own schema, for Spark to read with (no inference job); None when the files of a split differ
+    assert footers["code"]["schema"].equals(pq.read_schema(str(tmp_path / "data" / "code-00000-of-00001.parquet"))
+                                            .remove_metadata())
+    table = pq.read_table(str(bad))
+    pq.write_table(table.select(table.column_names[::-1]), str(bad))  # the same columns in another order
+    assert validate_inputs(inputs)["chat"]["schema"] is None
 
 
 # ---- S3 (moto loopback) ------------------------------------------------------------------------------------
@@ -288,7 +299,7 @@ def test_same_on_s3(trees, tmp_path):
             inputs = discover_inputs(resolve(f"s3://nemotron/{key}", s3_endpoint=endpoint), SPLITS)
             assert (inputs.layout, inputs.root.path, inputs.root.scheme) == (layout, root, "s3"), key
             assert inputs.missing_shards == {} and _read_back(inputs) == EXPECTED, key
-        assert validate_inputs(inputs)["math"] == {"files": 3, "rows": 6}
+        assert _counts(validate_inputs(inputs))["math"] == {"files": 3, "rows": 6}
         with pytest.raises(RaytrainError, match="s3://nemotron/nope does not exist"):
             discover_inputs(resolve("s3://nemotron/nope", s3_endpoint=endpoint), SPLITS)
         with pytest.raises(RaytrainError, match="drop 'stem'.*"):
