@@ -1,10 +1,25 @@
-"""Enrichment throughput on RayDP vs a single-process baseline, embedding throughput inside Spark vs bare encode,
-and the Spark -> Ray Data hand-off (read the Parquet vs ray.data.from_spark). Prints figures; never asserts.
+"""The enrichment on RayDP against a single process doing the same steps, at two sizes of realistic rows: Spark
+jobs per enrichment, the fixed overhead, the marginal rows/s of both, peak memory. Prints figures; never asserts.
 
-    python benchmarks/bench_enrich.py [--rows-per-split 400] [--executors 2] [--out /tmp/bench_enrich]
+    python benchmarks/bench_enrich.py [--sizes 2000 20000] [--executors 2] [--out /tmp/bench_enrich]
 
-Same rows for every contender (the sample dataset, larger). Timings on a shared machine vary: run it when the
-machine is quiet and read the load average it prints.
+Rows: the sample dataset at the dataset card's row lengths (``size_scale=1.0``: code ~48 KB, math ~37 KB, with
+``<think>`` traces), the same rows for both contenders; no context corpus (the corpus table is built once per
+corpus and reused, a separate cost: benchmarks/bench_corpus.py). Same cores: Spark gets ``--executors``
+executors of one core each; the single process gets as many torch threads. The contenders run one after the
+other, so both see the machine's load; read the load averages it prints.
+
+From the two sizes n1 < n2 with times t1, t2: marginal rows/s = (n2 - n1) / (t2 - t1), and the per-run constant
+t1 - n1 / marginal; "fixed overhead" adds Spark's start (once per job) to that constant. Spark jobs are counted
+by Spark's status tracker (the enrichment runs in a job group). Peak memory: resident set sizes sampled every
+0.5 s and summed per side: the driver (this Python process and the Spark driver JVM it starts) and the executors
+(RayDP's executor JVMs and the Python workers they start).
+
+The lines a script reads, exactly in this form:
+    spark jobs per enrichment: N
+    fixed overhead: S s
+    marginal rows/s: spark X, single process Y, ratio R
+    peak memory: driver A GiB, executors B GiB
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,19 +37,16 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-TARGET_SPEEDUP = 1.6  # Spark enrichment rows/s over the single-process baseline
-TARGET_ENCODE_RATIO = 0.8  # Spark embedding sentences/s over bare model.encode
+SPLITS = 5  # the sample writes rows_per_split rows in each of the dataset's five splits
 
 
 def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
-    """The same steps in one process with pandas-free plain Python + sentence-transformers: returns counts."""
-    import json as _json
-
+    """The same steps in one process, plain Python + sentence-transformers: returns the time and rows kept."""
     from raytrain.dataset.length import decide_length
     from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
     from raytrain.enrich.context import answer_for_scoring, candidate_sentences, with_context_block
     from raytrain.enrich.conversation import Example, derive_example
-    from raytrain.enrich.decontam import build_eval_index, contaminated
+    from raytrain.enrich.decontam import build_eval_index, ngram_hashes
     from raytrain.enrich.dedup import exact_key, minhash_signatures, near_duplicate_clusters
     from raytrain.enrich.relevance import load_embedder, score_batch
     from raytrain.errors import RaytrainError
@@ -54,20 +67,19 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
                                        cfg.near_dup_threshold))
     examples = [e for e in examples if e.uuid not in drop]
     index = build_eval_index(eval_texts, cfg.decontam_ngram)
-    examples = [e for e in examples if not contaminated(e.full_text(), index, cfg.decontam_ngram)[0]]
+    examples = [e for e in examples if not any(int(h) in index for h in ngram_hashes(e.full_text(), cfg.decontam_ngram))]
     kept = 0
     for start in range(0, len(examples), 256):  # the same 256-row batches Spark's Arrow batches have
         batch = examples[start : start + 256]
         contexts = [candidate_sentences(e.messages).all for e in batch]  # enrich.system_prompt=keep
-        sels = score_batch(contexts, [e.question for e in batch], [answer_for_scoring(e.answer, cfg.answer_text)
-                                                                    for e in batch], embedder,
+        sels = score_batch(contexts, [e.question for e in batch],
+                           [answer_for_scoring(e.answer, cfg.answer_text) for e in batch], embedder,
                            batch_size=cfg.embed_batch_size, top_k=cfg.top_k, threshold=cfg.min_score,
                            question_weight=cfg.question_weight)
         for e, sents, sel in zip(batch, contexts, sels, strict=True):
-            messages = with_context_block(e.messages, sel.kept(sents))
+            messages = with_context_block(list(e.messages), sel.kept(sents))
             try:
-                fitted = fit_tool_call_turns(_json.loads(_json.dumps(messages)), job.dataset.tokenizer,
-                                             job.dataset.text_with_tool_calls)
+                fitted = fit_tool_call_turns(messages, job.dataset.tokenizer, job.dataset.text_with_tool_calls)
                 tokenized = tokenize_conversation(fitted.messages, tokenizer, verify=False)
             except (RaytrainError, ValueError):
                 continue
@@ -75,41 +87,60 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     return {"seconds": time.perf_counter() - t0, "rows_out": kept}
 
 
-def spark_encode(spark, sentences: list[str], model_path: str, num_partitions: int, batch_size: int,
-                 threads: int) -> float:
-    """Seconds to embed ``sentences`` in a Spark mapInPandas (workers already warm), written to the noop sink so
-    the UDF really runs (a count would prune it)."""
-    import pandas as pd
+class MemorySampler:
+    """Peak summed RSS of the driver side and the executor side, sampled every ``interval_s`` in a thread."""
 
-    from raytrain.enrich.relevance import load_embedder
+    def __init__(self, interval_s: float = 0.5):
+        import psutil
 
-    def body(batches):
-        import torch
+        self._psutil, self._me = psutil, psutil.Process()
+        self.peak = {"driver": 0, "executors": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
-        torch.set_num_threads(threads)
-        model = load_embedder(model_path or None)
-        for pdf in batches:
-            emb = model.encode(pdf["s"].tolist(), batch_size=batch_size, convert_to_numpy=True,
-                               show_progress_bar=False)  # (n, 384)
-            yield pd.DataFrame({"e": list(emb)})
+    def _side(self, p) -> str | None:
+        if p.pid == self._me.pid:
+            return "driver"
+        cmd = " ".join(p.cmdline())
+        if "java" in cmd and "RayDPExecutor" not in cmd and ("SparkSubmit" in cmd or "pyspark-shell" in cmd):
+            return "driver"  # the Spark driver JVM behind py4j
+        if "java" in cmd and ("RayDPExecutor" in cmd or "raydp" in cmd.lower()):
+            return "executors"
+        if "pyspark.daemon" in cmd or "pyspark/daemon" in cmd or "pyspark.worker" in cmd:
+            return "executors"
+        return None
 
-    df = spark.createDataFrame(pd.DataFrame({"s": sentences})).repartition(num_partitions).cache()
-    df.count()
-    t0 = time.perf_counter()
-    df.mapInPandas(body, schema="e array<float>").write.format("noop").mode("overwrite").save()
-    return time.perf_counter() - t0
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = {"driver": 0, "executors": 0}
+            for p in self._psutil.process_iter():
+                try:
+                    side = self._side(p)
+                    if side:
+                        total[side] += p.memory_info().rss
+                except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess):
+                    continue
+            for k, v in total.items():
+                self.peak[k] = max(self.peak[k], v)
+            self._stop.wait(0.5)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows-per-split", type=int, default=400)
+    parser.add_argument("--sizes", type=int, nargs=2, default=[2000, 20000], help="rows of the two enrichments")
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--out", default="/tmp/bench_enrich")
-    parser.add_argument("--one-thread-baseline", action="store_true",
-                        help="also time the baseline with 1 torch thread (the ceiling of 2 processes x 1 thread "
-                             "against 1 process x 2 threads on a 2-core machine)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("raytrain").setLevel(logging.INFO)
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -119,116 +150,74 @@ def main() -> int:
     from raytrain.config import load_job_config
     from raytrain.enrich.decontam import load_eval_sets
     from raytrain.enrich.job import enrich_in_session
-    from raytrain.enrich.relevance import load_embedder
-    from raytrain.enrich.sentences import split_sentences
     from raytrain.enrich.spark import spark_session
     from raytrain.runner import WORKER_ENV
     from raytrain.sample_data import write_sample_dataset
     from raytrain.storage import resolve
 
-    sample = write_sample_dataset(os.path.join(args.out, "sample"), rows_per_split=args.rows_per_split)
+    sizes = sorted(args.sizes)
+    samples = {n: write_sample_dataset(os.path.join(args.out, f"sample-{n}"), rows_per_split=n // SPLITS,
+                                       size_scale=1.0) for n in sizes}
     job = load_job_config(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml"), [
         f"storage.root={args.out}/runs", f"enrich.num_executors={args.executors}", "enrich.executor_cores=1",
-        f"enrich.num_partitions={2 * args.executors}"])
-    rows = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
-    eval_texts = load_eval_sets([sample.eval_path])
-    figures: dict = {"rows": len(rows), "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg()}
-
-    # Other jobs share this machine: measure each pair of contenders back to back, so both see the same load.
-    torch.set_num_threads(args.executors * job.enrich.executor_cores)  # the cores Spark's executors get
-    base = baseline_enrich(rows, job, eval_texts)
-    figures["baseline_s"], figures["baseline_rows_out"] = base["seconds"], base["rows_out"]
-    if args.one_thread_baseline:  # the same process on one core: what the intra-op threads above were worth
-        torch.set_num_threads(1)
-        figures["baseline_1thread_s"] = baseline_enrich(rows, job, eval_texts)["seconds"]
-        torch.set_num_threads(args.executors * job.enrich.executor_cores)
-    figures["load_avg_after_baseline"] = os.getloadavg()
-    print(f"baseline: {len(rows) / base['seconds']:.1f} rows/s ({base['seconds']:.1f} s)", flush=True)
+        f"enrich.num_partitions={4 * args.executors}", "enrich.context_corpus=[]"])
+    figures: dict = {"cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg(), "spark": {}, "single": {}}
 
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
     try:
-        t0 = time.perf_counter()
-        with spark_session(job.enrich, app_name="bench-enrich") as spark:
-            figures["spark_start_s"] = time.perf_counter() - t0
+        with MemorySampler() as memory:
             t0 = time.perf_counter()
-            session = enrich_in_session(spark, job, resolve(sample.out_dir), resolve(f"{args.out}/runs/bench"),
-                                        eval_sets=(sample.eval_path,))
-            figures["spark_enrich_s"] = time.perf_counter() - t0
-            figures["spark_rows_out"] = session.result.report["rows_out"]
-            figures["spark_steps_s"] = {s["step"]: s["seconds"] for s in session.result.report["steps"]}
-
-            # hand-off A: read the written Parquet into Ray Data (what the runner does)
-            from raytrain.dataset.stream import _parquet_files
-
-            enriched = session.result.enriched
-            ray.data.range(8).map_batches(lambda b: b).materialize()  # start Ray Data's workers once, untimed
-            figures["handoff_parquet_s"] = []
-            for _ in range(2):  # best of two: the first read pays warm-up
-                t0 = time.perf_counter()
-                ds = ray.data.read_parquet(_parquet_files(enriched), filesystem=enriched.filesystem) \
-                    .select_columns(["uuid", "messages_json"]).materialize()
-                figures["handoff_parquet_s"].append(time.perf_counter() - t0)
-            # hand-off B: ray.data.from_spark on the final (persisted) DataFrame. Measured last: in this Ray 2.60 +
-            # RayDP 1.6.5 session, a read_parquet issued after from_spark died in Ray Data's ListFiles actor
-            # ("load_actor_class ... got NoneType"), twice out of two tries.
-            t0 = time.perf_counter()
-            from_spark = ray.data.from_spark(session.frame.select("uuid", "messages_json")).materialize()
-            figures["handoff_from_spark_s"] = [time.perf_counter() - t0]
-            figures["handoff_parquet_rows"], figures["handoff_from_spark_rows"] = ds.count(), from_spark.count()
-
-            # embedding throughput: the candidate sentences of every row, in Spark vs bare encode, same cores
-            sentences = []
-            for r in rows:
-                for m in (r["messages"] or []):
-                    if m["role"] == "system" and m["content"]:
-                        sentences.extend(split_sentences(m["content"]))
-            sentences = sentences[:4000]
-            figures["encode_sentences"] = len(sentences)
-            threads = job.enrich.executor_cores
-            spark_encode(spark, sentences[:256], job.enrich.embedding_model, 2 * args.executors,
-                         job.enrich.embed_batch_size, threads)  # warm every worker
-            figures["spark_encode_s"] = spark_encode(spark, sentences, job.enrich.embedding_model,
-                                                     2 * args.executors, job.enrich.embed_batch_size, threads)
-            # bare encode right after, in this process (Spark's executors idle), on the same cores
-            model = load_embedder(job.enrich.embedding_model or None)
-            model.encode(sentences[:256], batch_size=job.enrich.embed_batch_size, show_progress_bar=False)  # warm
-            t0 = time.perf_counter()
-            model.encode(sentences, batch_size=job.enrich.embed_batch_size, convert_to_numpy=True,
-                         show_progress_bar=False)
-            figures["bare_encode_s"] = time.perf_counter() - t0
-        try:  # stop_spark() ran with cleanup_data=True: are from_spark's blocks still readable?
-            figures["from_spark_after_stop_rows"] = from_spark.count() and len(from_spark.take(5))
-        except Exception as e:  # report, do not fail: this is what the benchmark is for
-            figures["from_spark_after_stop_rows"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            with spark_session(job.enrich, app_name="bench-enrich") as spark:
+                figures["spark_start_s"] = time.perf_counter() - t0
+                sc = spark.sparkContext
+                for n in sizes:
+                    group = f"enrich-{n}"
+                    sc.setJobGroup(group, group)
+                    t0 = time.perf_counter()
+                    session = enrich_in_session(spark, job, resolve(samples[n].out_dir),
+                                                resolve(f"{args.out}/runs/bench-{n}"),
+                                                eval_sets=(samples[n].eval_path,))
+                    seconds = time.perf_counter() - t0
+                    report = session.result.report
+                    figures["spark"][n] = {"seconds": seconds, "rows_in": report["rows_in"],
+                                           "rows_out": report["rows_out"], "passes": report["passes"],
+                                           "jobs": len(sc.statusTracker().getJobIdsForGroup(group))}
+                    session.frame.unpersist()
+                    print(f"spark {n} rows: {seconds:.1f} s, passes {report['passes']}, "
+                          f"{figures['spark'][n]['jobs']} jobs", flush=True)
+        figures["peak_memory_bytes"] = dict(memory.peak)
     finally:
         ray.shutdown()
+    figures["load_avg_after_spark"] = os.getloadavg()
 
+    torch.set_num_threads(args.executors)  # the cores Spark's executors had
+    for n in sizes:
+        sample = samples[n]
+        rows = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
+        base = baseline_enrich(rows, job, load_eval_sets([sample.eval_path]))
+        figures["single"][n] = {"seconds": base["seconds"], "rows_in": len(rows), "rows_out": base["rows_out"]}
+        print(f"single process {n} rows: {base['seconds']:.1f} s", flush=True)
+        del rows
     figures["load_avg_end"] = os.getloadavg()
-
-    n = figures["rows"]
-    spark_rps, base_rps = n / figures["spark_enrich_s"], n / figures["baseline_s"]
-    spark_sps = figures["encode_sentences"] / figures["spark_encode_s"]
-    bare_sps = figures["encode_sentences"] / figures["bare_encode_s"]
     print(json.dumps(figures, indent=1, default=str))
-    print(f"\nrows {n}; machine: {os.cpu_count()} cores, 1-min load average {figures['load_avg_start'][0]:.1f} "
-          f"(start) / {figures['load_avg_after_baseline'][0]:.1f} (after baseline) / {figures['load_avg_end'][0]:.1f} "
-          "(end): other jobs share the machine")
-    print(f"enrichment  RayDP {args.executors} executors: {spark_rps:8.1f} rows/s ({figures['spark_enrich_s']:.1f} s, "
-          f"+{figures['spark_start_s']:.1f} s Spark start)   single process: {base_rps:8.1f} rows/s "
-          f"({figures['baseline_s']:.1f} s)   ratio {spark_rps / base_rps:.2f} (target >= {TARGET_SPEEDUP})")
-    print(f"embedding   in Spark: {spark_sps:8.1f} sentences/s   bare encode: {bare_sps:8.1f} sentences/s   "
-          f"ratio {spark_sps / bare_sps:.2f} (target >= {TARGET_ENCODE_RATIO})")
-    pq_s, fs_s = min(figures["handoff_parquet_s"]), min(figures["handoff_from_spark_s"])
-    print(f"hand-off    read Parquet: {pq_s:.2f} s ({pq_s / figures['spark_enrich_s']:.3f} of enrichment)   "
-          f"from_spark: {fs_s:.2f} s ({fs_s / figures['spark_enrich_s']:.3f} of enrichment)   (best of 2)   rows "
-          f"{figures['handoff_parquet_rows']} / {figures['handoff_from_spark_rows']}; from_spark blocks readable "
-          f"after stop_spark(): {figures['from_spark_after_stop_rows']}")
-    if "baseline_1thread_s" in figures:
-        one = figures["baseline_1thread_s"]
-        print(f"baseline    1 thread: {n / one:8.1f} rows/s ({one:.1f} s): {args.executors} threads are worth "
-              f"{one / figures['baseline_s']:.2f}x to one process; RayDP over the 1-thread process "
-              f"{one / figures['spark_enrich_s']:.2f}x")
-    print(f"rows out    Spark {figures['spark_rows_out']}  baseline {figures['baseline_rows_out']}")
+
+    (n1, n2), sp, one = sizes, figures["spark"], figures["single"]
+    spark_rate = (sp[n2]["rows_in"] - sp[n1]["rows_in"]) / (sp[n2]["seconds"] - sp[n1]["seconds"])
+    single_rate = (one[n2]["rows_in"] - one[n1]["rows_in"]) / (one[n2]["seconds"] - one[n1]["seconds"])
+    constant = sp[n1]["seconds"] - sp[n1]["rows_in"] / spark_rate
+    gib = 2**30
+    print(f"\n{os.cpu_count()} cores, 1-min load average {figures['load_avg_start'][0]:.1f} (start) / "
+          f"{figures['load_avg_after_spark'][0]:.1f} (after Spark) / {figures['load_avg_end'][0]:.1f} (end); "
+          f"rows {n1} and {n2}; Spark start {figures['spark_start_s']:.1f} s, per-run constant {constant:.1f} s; "
+          f"rows kept: spark {sp[n1]['rows_out']}/{sp[n2]['rows_out']}, single {one[n1]['rows_out']}/"
+          f"{one[n2]['rows_out']}")
+    print(f"passes at {n2} rows: " + ", ".join(f"{k} {v:.1f} s" for k, v in sp[n2]["passes"].items()))
+    print(f"spark jobs per enrichment: {sp[n2]['jobs']}")
+    print(f"fixed overhead: {figures['spark_start_s'] + constant:.1f} s")
+    print(f"marginal rows/s: spark {spark_rate:.1f}, single process {single_rate:.1f}, "
+          f"ratio {spark_rate / single_rate:.2f}")
+    print(f"peak memory: driver {figures['peak_memory_bytes']['driver'] / gib:.2f} GiB, "
+          f"executors {figures['peak_memory_bytes']['executors'] / gib:.2f} GiB")
     return 0
 
 
