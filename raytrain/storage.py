@@ -33,7 +33,6 @@ DATA_DIR = "data"
 CHECKPOINTS_DIR = "checkpoints"
 REPORTS_DIR = "reports"
 EXPORTS_DIR = "exports"
-RUN_SUBDIRS = (DATA_DIR, CHECKPOINTS_DIR, REPORTS_DIR, EXPORTS_DIR)
 
 _URI_EXAMPLES = {
     "file": "file:///absolute/path",

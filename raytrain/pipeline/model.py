@@ -526,13 +526,8 @@ def layer_parameter_counts(cfg: MistralConfig) -> list[int]:
     return [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
 
 
-def count_parameters(cfg: MistralConfig) -> int:
-    """Total parameters (mistral-7b: 7,241,732,096, the same as transformers' MistralForCausalLM)."""
-    return sum(layer_parameter_counts(cfg))
-
-
 __all__ = [
     "IGNORE_INDEX", "MistralConfig", "model_config", "RMSNorm", "Attention", "MLP", "EmbeddingPipe", "DecoderLayerPipe",
     "FinalNormPipe", "LMHeadPipe", "attention_mask", "rope_cos_sin", "init_weights", "layer_constructors",
-    "build_sequential", "causal_lm_loss", "hf_prefix", "layer_parameter_counts", "count_parameters",
+    "build_sequential", "causal_lm_loss", "hf_prefix", "layer_parameter_counts",
 ]

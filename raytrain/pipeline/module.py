@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing
@@ -18,9 +17,7 @@ from raytrain.errors import ConfigError
 from raytrain.pipeline.model import (
     DecoderLayerPipe,
     MistralConfig,
-    build_sequential,
     causal_lm_loss,
-    hf_prefix,
     layer_constructors,
     layer_parameter_counts,
 )
@@ -71,22 +68,6 @@ def stage_layer_ranges(cfg: MistralConfig, num_stages: int,
     return ranges
 
 
-def stage_parameter_names(cfg: MistralConfig, layer_range: tuple[int, int]) -> dict[str, str]:
-    """Hugging Face name -> DeepSpeed stage-module name for the layers in ``layer_range``.
-
-    Inside a PipelineModule a layer's parameter ``weight`` of pipeline layer ``i`` is named ``f"{i}.weight"``; in
-    Hugging Face it is ``hf_prefix(i) + "weight"``.
-    """
-    start, stop = layer_range
-    with torch.device("meta"):
-        layers = build_sequential(cfg)
-    names: dict[str, str] = {}
-    for layer_index in range(start, stop):
-        for local_name, _param in layers[layer_index].named_parameters():
-            names[hf_prefix(layer_index, cfg) + local_name] = f"{layer_index}.{local_name}"
-    return names
-
-
 def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
                           partition_method: str = DEFAULT_PARTITION_METHOD, activation_checkpoint_interval: int = 0,
                           seed: int = 0, attn_impl: str = "dense",
@@ -127,5 +108,5 @@ def stage_range(module: PipelineModule) -> tuple[int, int]:
     return int(module.parts[module.stage_id]), int(module.parts[module.stage_id + 1])
 
 
-__all__ = ["DEFAULT_PARTITION_METHOD", "PARTITION_METHODS", "stage_layer_ranges", "stage_parameter_names",
-           "build_pipeline_module", "stage_range"]
+__all__ = ["DEFAULT_PARTITION_METHOD", "PARTITION_METHODS", "stage_layer_ranges", "build_pipeline_module",
+           "stage_range"]

@@ -63,11 +63,6 @@ def count_targets(batch: dict[str, np.ndarray]) -> int:
     return int(np.count_nonzero(_column(batch, "labels") != IGNORE_INDEX))
 
 
-def count_real_tokens(batch: dict[str, np.ndarray]) -> int:
-    """Tokens that are not padding (segment id != PAD_SEGMENT_ID) in a numpy batch."""
-    return int(np.count_nonzero(_column(batch, "segment_ids") != PAD_SEGMENT_ID))
-
-
 def to_micro_batch(batch: dict[str, np.ndarray], loss_scale: float) -> MicroBatch:
     def col(name: str) -> torch.Tensor:
         # copy: Arrow-backed arrays are read-only, and torch tensors must own writable memory

@@ -21,7 +21,7 @@ from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig, load_job_config
 from raytrain.dataset.packs import PackReader
 from raytrain.dataset.stream import stream_micro_batches
-from raytrain.pipeline.flops import flops_per_token, pipeline_bubble_fraction
+from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
 from raytrain.pipeline.model import IGNORE_INDEX, model_config
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
@@ -107,7 +107,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # ---- train -------------------------------------------------------------------------------------------------
     seq_len = job.dataset.seq_len
     tokens_per_step = tc.global_batch_size * seq_len
-    flops_tok = flops_per_token(model_cfg, seq_len)
     bubble = pipeline_bubble_fraction(tc.grad_accum_steps, tc.pp)
     reports_dir = loop_config.get("local_reports_dir")
     metrics_path = os.path.join(reports_dir, "metrics.jsonl") if reports_dir else None
@@ -140,7 +139,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "eta_s": seconds_per_step * (end_step - step),
             "samples_per_s": tc.global_batch_size / step_time_s,
             "pipeline_bubble": bubble, "stage": topo.stage, "dp_rank": topo.dp_rank,
-            "mfu": (tokens_per_s * flops_tok / (tc.peak_tflops * 1e12 * tc.num_workers)) if tc.peak_tflops else None,
+            "mfu": mfu(tokens_per_s, model_cfg, seq_len, tc.peak_tflops * 1e12 * tc.num_workers) if tc.peak_tflops else None,
             "data_position": data_position(step, tc.dp, tc.grad_accum_steps),
         }
         if eval_sets and (step == end_step or (tc.eval_every and step % tc.eval_every == 0)):

@@ -8,7 +8,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain.errors import RaytrainError
-from raytrain.storage import RUN_SUBDIRS, default_user, resolve, run_root
+from raytrain.storage import default_user, resolve, run_root
 
 
 @pytest.mark.parametrize("given", ["/mnt/lustre/team", "/tmp/x/../y", "file:///mnt/gpfs/a/"])
@@ -137,7 +137,6 @@ def test_join_and_run_root(tmp_path):
     assert rr.parent.name == "proj"
     s3 = run_root(resolve("s3://b", s3_endpoint="http://127.0.0.1:1"), "alice", "proj", "r")
     assert s3.uri == "s3://b/alice/proj/r"
-    assert set(RUN_SUBDIRS) == {"data", "checkpoints", "reports", "exports"}
 
 
 @pytest.mark.parametrize(
