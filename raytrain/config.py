@@ -35,6 +35,9 @@ ATTENTION_IMPLS = ("dense", "segment", "flex")
 
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
 
+DATA_SECTIONS = ("data", "enrich", "dataset")
+"""The config sections that decide the enriched rows and the packed sequences (``JobConfig.data_hash``)."""
+
 
 def _require(ok: bool, name: str, msg: str) -> None:
     if not ok:
@@ -421,7 +424,18 @@ class JobConfig:
 
     def config_hash(self) -> str:
         """Stable short hash of the resolved config (recorded in manifests and checkpoints)."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        return _short_hash(self.to_dict())
+
+    def data_hash(self) -> str:
+        """Stable short hash of the sections that decide the data (``DATA_SECTIONS``): the enrich manifest and the
+        packed set record it, and a run's checkpoints are only valid for one value of it."""
+        tree = self.to_dict()
+        return _short_hash({k: tree[k] for k in DATA_SECTIONS})
+
+
+def _short_hash(tree: dict[str, Any]) -> str:
+    """sha256 (16 hex digits) of a JSON tree, keys sorted."""
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

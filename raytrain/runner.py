@@ -6,7 +6,6 @@ output for the same settings, so running the same run name again resumes trainin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -37,9 +36,8 @@ class Run:
 
     @property
     def data_hash(self) -> str:
-        """Settings that decide the packed sequences; a run's checkpoints are only valid for one value of it."""
-        sections = {k: self.job.to_dict()[k] for k in ("data", "enrich", "dataset")}
-        return hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:16]
+        """JobConfig.data_hash: settings that decide the packed sequences."""
+        return self.job.data_hash()
 
 
 def open_run(job: JobConfig) -> Run:

@@ -15,7 +15,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-from raytrain.pipeline.model import MistralConfig
+from raytrain.pipeline.model import IGNORE_INDEX, MistralConfig
 from raytrain.pipeline.module import build_pipeline_module
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class StageEngine:
                 ids[r, :n] = torch.tensor(prompts[r], dtype=torch.long)
             pos[r, :n] = torch.arange(n)
             seg[r, :n] = 0
-        labels = torch.full_like(ids, -100)  # no target: the loss is 0 and unused
+        labels = torch.full_like(ids, IGNORE_INDEX)  # no target: the loss is 0 and unused
         generated: list[list[int]] = [[] for _ in range(num_prompts)]
         done = [n >= seq_len for n in cur]
         for _ in range(max_new_tokens):

@@ -30,7 +30,7 @@ from torch import nn
 from raytrain.errors import ConfigError, RaytrainError
 from raytrain.pipeline.attention import ATTENTION_IMPLS, packed_attention, prepare_attention
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the label of a position with no target (raytrain.dataset.pack writes it); torch's default
 
 
 @dataclass(frozen=True)

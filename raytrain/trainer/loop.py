@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig, load_job_config
+from raytrain.dataset.pack import IGNORE_INDEX
 from raytrain.dataset.packs import PackReader
 from raytrain.dataset.stream import stream_micro_batches
 from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
-from raytrain.pipeline.model import IGNORE_INDEX, model_config
+from raytrain.pipeline.model import model_config
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
