@@ -2,8 +2,11 @@
 
     cfg = load_job_config("configs/demo.yaml", ["train.max_steps=20", "storage.root=/mnt/shared/raytrain"])
 
-Every section validates itself in ``__post_init__``; cross-section rules live in ``JobConfig.__post_init__``.
-Errors are ``ConfigError`` naming the dotted field and how to fix it.
+Every section validates itself in ``__post_init__``; cross-section rules that need only the config live in
+``JobConfig.__post_init__``. Those that need the model's architecture or a file (train.pp against the model's
+decoder layers, dataset.tokenizer against its vocabulary, the batch sizes in train.ds_config's JSON) are
+``raytrain.runner.preflight``'s, run before any cluster work. Errors are ``ConfigError`` naming the dotted field and
+how to fix it.
 """
 
 from __future__ import annotations

@@ -232,6 +232,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def check_num_stages(cfg: MistralConfig, num_stages: int) -> None:
+    """The pipeline-depth rule: every stage holds at least one decoder layer, so 1 <= num_stages (train.pp) <=
+    num_hidden_layers. ``stage_layer_ranges`` applies it before partitioning; the runner's preflight before any
+    cluster work. ConfigError otherwise."""
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
+    if num_stages > cfg.num_hidden_layers:
+        raise ConfigError(
+            f"num_stages ({num_stages}) is larger than num_hidden_layers ({cfg.num_hidden_layers}): some stage "
+            f"would hold no decoder layer. Use at most {cfg.num_hidden_layers} pipeline stages (train.pp).")
+
+
 def model_config(preset: str, init_from: str = "") -> MistralConfig:
     """The architecture a job trains (job.model): a named preset, or "hf" = the config.json of ``init_from``."""
     if preset == "hf":
@@ -529,5 +541,5 @@ def layer_parameter_counts(cfg: MistralConfig) -> list[int]:
 __all__ = [
     "IGNORE_INDEX", "MistralConfig", "model_config", "RMSNorm", "Attention", "MLP", "EmbeddingPipe", "DecoderLayerPipe",
     "FinalNormPipe", "LMHeadPipe", "attention_mask", "rope_cos_sin", "init_weights", "layer_constructors",
-    "build_sequential", "causal_lm_loss", "hf_prefix", "layer_parameter_counts",
+    "build_sequential", "causal_lm_loss", "check_num_stages", "hf_prefix", "layer_parameter_counts",
 ]

@@ -18,21 +18,13 @@ from raytrain.pipeline.model import (
     DecoderLayerPipe,
     MistralConfig,
     causal_lm_loss,
+    check_num_stages,
     layer_constructors,
     layer_parameter_counts,
 )
 
 DEFAULT_PARTITION_METHOD = "type:DecoderLayerPipe"
 PARTITION_METHODS = ("type:DecoderLayerPipe", "parameters", "uniform")
-
-
-def _check_stages(cfg: MistralConfig, num_stages: int) -> None:
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
-    if num_stages > cfg.num_hidden_layers:
-        raise ConfigError(
-            f"num_stages ({num_stages}) is larger than num_hidden_layers ({cfg.num_hidden_layers}): some stage "
-            f"would hold no decoder layer. Use at most {cfg.num_hidden_layers} pipeline stages.")
 
 
 def stage_layer_ranges(cfg: MistralConfig, num_stages: int,
@@ -44,7 +36,7 @@ def stage_layer_ranges(cfg: MistralConfig, num_stages: int,
     layers whose class name matches (case-insensitive), all via DeepSpeed's own partition helpers.
     Raises ConfigError for an unknown method, too many stages, or a partition that leaves a stage empty.
     """
-    _check_stages(cfg, num_stages)
+    check_num_stages(cfg, num_stages)
     method = partition_method.lower()
     names = [cls.__name__ for cls, _args, _kwargs in layer_constructors(cfg)]
     if method == "uniform":

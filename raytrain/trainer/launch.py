@@ -18,6 +18,7 @@ from raytrain.errors import RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.storage import StorageLocation
 from raytrain.trainer.loop import train_loop_per_worker
+from raytrain.trainer.schedule import check_enough_packs
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     validation = _evaluable(packed.validation, "validation", tc.micro_batch_size, tc.dp)
     benchmark = _evaluable(packed.benchmark, "benchmark", tc.micro_batch_size, tc.dp)
     ds_config = derive_ds_config(load_ds_config(tc.ds_config), tc, ds_path=tc.ds_config)
-    micro_batches_per_epoch = num_packs // tc.micro_batch_size
-    if micro_batches_per_epoch < tc.dp * tc.grad_accum_steps:
-        raise ValueError(
-            f"the packed dataset holds {num_packs} sequences = {micro_batches_per_epoch} micro-batches of "
-            f"{tc.micro_batch_size}, fewer than one optimizer step needs ({tc.dp} x {tc.grad_accum_steps}); "
-            "use more data, a smaller dataset.seq_len or smaller batches")
+    check_enough_packs(num_packs, tc.micro_batch_size, tc.dp, tc.grad_accum_steps)
     if validation is None and tc.eval_every:
         log.warning("train.eval_every=%d but the run has no validation set: no eval loss (set "
                     "dataset.validation_fraction > 0)", tc.eval_every)

@@ -27,7 +27,7 @@ from raytrain.pipeline.model import model_config
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
-from raytrain.trainer.schedule import Topology, data_position, validation_micro_batches_of
+from raytrain.trainer.schedule import Topology, check_resume_position, data_position, validation_micro_batches_of
 from raytrain.trainer.tracking import Trackers
 
 log = logging.getLogger(__name__)
@@ -291,9 +291,8 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     local = ckpt.local_path or store.download(ckpt, tempfile.mkdtemp(prefix="raytrain-resume-"))
     client_state = stage.load(local)
     step = int(client_state["step"])
-    if client_state["data_position"] != data_position(step, tc.dp, tc.grad_accum_steps):
-        raise RuntimeError(f"checkpoint {ckpt.uri} records data position {client_state['data_position']}, which "
-                           "does not match its step under this batch layout (train.dp / grad_accum_steps changed?)")
+    check_resume_position(client_state["data_position"], step, tc.dp, tc.grad_accum_steps, ckpt.uri,
+                          saved_with=(ckpt.manifest.get("metadata", {}).get("config") or {}).get("train"))
     store.protect(step)  # retention never deletes the checkpoint a run resumed from
     if topo.world_rank == 0:
         print(f"[raytrain] resumed from checkpoint step {step} ({ckpt.uri})", flush=True)

@@ -85,6 +85,15 @@ def test_config_given_twice_is_a_config_error(tmp_path):
     assert "two job configs" in out.stderr
 
 
+def test_more_stages_than_decoder_layers_exits_2_before_starting_ray(tmp_path):
+    """The tiny preset has 2 decoder layers: train.pp=3 is refused in preflight by the rule the workers'
+    build_pipeline_module applies (not at L + 3 pipeline layers, after Ray has started)."""
+    out = cli("train", "configs/demo.yaml", "model.preset=tiny", "train.pp=3", f"storage.root={tmp_path}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "num_stages (3) is larger than num_hidden_layers (2)" in out.stderr and "(train.pp)" in out.stderr
+    assert_no_ray_and_no_traceback(out)
+
+
 def test_missing_input_path_exits_1_before_starting_ray(tmp_path):
     missing = tmp_path / "no-such-dataset"
     root = tmp_path / "runs"

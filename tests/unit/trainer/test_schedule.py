@@ -1,6 +1,14 @@
 import pytest
 
-from raytrain.trainer.schedule import Topology, data_position, epoch_and_offset, owns_micro_batch
+from raytrain.errors import RaytrainError
+from raytrain.trainer.schedule import (
+    Topology,
+    check_enough_packs,
+    check_resume_position,
+    data_position,
+    epoch_and_offset,
+    owns_micro_batch,
+)
 
 
 def test_topology_is_pipe_major_like_deepspeed():
@@ -35,3 +43,19 @@ def test_epoch_and_offset():
     assert epoch_and_offset(15, 7) == (2, 1)
     with pytest.raises(ValueError):
         epoch_and_offset(3, 0)
+
+
+def test_resume_under_a_changed_batch_layout_names_the_fields_and_the_saved_values():
+    recorded = data_position(10, dp=2, grad_accum_steps=4)  # saved at step 10 with dp 2, m 4: 80 micro-batches
+    check_resume_position(recorded, 10, 2, 4, "ckpt/step_10")
+    with pytest.raises(RaytrainError, match=r"train\.dp=1, train\.grad_accum_steps=4\) cannot reach \(it was saved "
+                                            r"with train\.dp=2, train\.grad_accum_steps=4\)") as info:
+        check_resume_position(recorded, 10, 1, 4, "ckpt/step_10", saved_with={"dp": 2, "grad_accum_steps": 4})
+    assert "set train.dp and train.grad_accum_steps back" in str(info.value)
+
+
+def test_too_few_packs_for_one_step_names_the_fields():
+    check_enough_packs(num_packs=8, micro_batch_size=2, dp=2, grad_accum_steps=2)  # 4 micro-batches: one step
+    with pytest.raises(RaytrainError, match=r"7 sequences = 3 micro-batches of train\.micro_batch_size=2.*"
+                                            r"train\.dp=2 x train\.grad_accum_steps=2"):
+        check_enough_packs(num_packs=7, micro_batch_size=2, dp=2, grad_accum_steps=2)
