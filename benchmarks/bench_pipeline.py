@@ -190,11 +190,12 @@ class StageRunner:
 
         torch.set_num_threads(config["threads"])
         torch.manual_seed(0)
-        topo = Topology(pp=config["pp"], dp=1, world_rank=world_rank)
         init_distributed("gloo")
         self.stage = build_stage_engine(MistralConfig.from_dict(config["model"]), config["ds_config"],
                                         pp=config["pp"], dp=1, partition_method="type:DecoderLayerPipe",
                                         activation_checkpoint_interval=0, seed=0)
+        topo = Topology(pp=self.stage.num_stages, dp=self.stage.num_replicas, stage=self.stage.stage,
+                        dp_rank=self.stage.dp_rank, world_rank=self.stage.world_rank)
         mbs, m = config["micro_batch_size"], config["grad_accum_steps"]
         self.data_iter = None
         if topo.needs_data:

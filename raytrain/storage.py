@@ -115,16 +115,6 @@ class StorageLocation:
         return _filesystem(self.scheme, self.authority, self.s3_endpoint)
 
     @property
-    def ray_storage_path(self) -> str:
-        """`storage_path` for ray.train.RunConfig (pair it with `ray_storage_filesystem`)."""
-        return self.path
-
-    @property
-    def ray_storage_filesystem(self) -> pafs.FileSystem | None:
-        """`storage_filesystem` for ray.train.RunConfig: None for POSIX (Ray uses the path), else `filesystem`."""
-        return None if self.is_posix else self.filesystem
-
-    @property
     def name(self) -> str:
         """Last path component ("" for a bucket root or "/")."""
         return posixpath.basename(self.path)

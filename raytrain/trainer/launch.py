@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray
 import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -29,11 +30,10 @@ class TrainResult:
     checkpoint_dir: str
 
 
-def job_as_overrides(job: JobConfig) -> list[str]:
-    """The resolved job config as dotted overrides: plain strings travel to workers and rebuild the same config."""
-    import json
-
-    return [f"{key}={json.dumps(value)}" for key, value in job.flat_dict().items()]
+def ray_storage(location: StorageLocation) -> tuple[str, pafs.FileSystem | None]:
+    """``(storage_path, storage_filesystem)`` for ray.train.RunConfig: a POSIX path goes as it is (Ray opens it),
+    an object-store path with the resolver's pyarrow filesystem (which carries the endpoint and credentials)."""
+    return location.path, None if location.is_posix else location.filesystem
 
 
 def software_versions() -> dict[str, str]:
@@ -98,7 +98,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     if run_root.is_posix:
         run_root.join("reports").mkdirs()  # workers append metrics and data traces here
     loop_config = {
-        "overrides": job_as_overrides(job),
+        "job": job,
         "run_uri": run_root.uri,
         "ds_config": ds_config,
         "packed": _files_of(packed),
@@ -107,6 +107,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         "local_reports_dir": run_root.join("reports").path if run_root.scheme == "file" else None,
         "versions": software_versions(),
     }
+    storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
@@ -115,8 +116,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
                                      resources_per_worker=tc.worker_resources() or None,
                                      placement_strategy=tc.placement_strategy),
         run_config=RunConfig(
-            name="ray_train", storage_path=run_root.join("ray").ray_storage_path,
-            storage_filesystem=run_root.join("ray").ray_storage_filesystem,
+            name="ray_train", storage_path=storage_path, storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=max_failures)),
         # No `datasets=`: Ray Train would shard them by world rank, and the two data-reading stages of a pipeline
         # must see the same micro-batches (ray#60439). Each reading worker streams exactly its replica's packs with

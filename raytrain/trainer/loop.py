@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain.checkpoint.store import CheckpointStore
-from raytrain.config import JobConfig, load_job_config
+from raytrain.config import JobConfig
 from raytrain.dataset.pack import IGNORE_INDEX
 from raytrain.dataset.packs import PackReader
 from raytrain.dataset.stream import stream_micro_batches
@@ -33,20 +33,13 @@ from raytrain.trainer.tracking import Trackers
 log = logging.getLogger(__name__)
 
 
-def _job_from(loop_config: dict[str, Any]) -> JobConfig:
-    return load_job_config(None, loop_config["overrides"])
-
-
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Entry point run by every TorchTrainer worker. `loop_config` holds plain data only (it is pickled to workers):
-    overrides (the resolved job config as dotted overrides), run_uri, ds_config, packed / validation (folder URI, file
-    names, number of packs), versions."""
+    """Entry point run by every TorchTrainer worker. `loop_config` (pickled to the workers): job (the JobConfig),
+    run_uri, ds_config, packed / validation / benchmark (folder URI, file names, number of packs), versions."""
     from raytrain.pipeline.engine import build_stage_engine, init_distributed
 
-    job = _job_from(loop_config)
+    job: JobConfig = loop_config["job"]
     tc = job.train
-    ctx = ray.train.get_context()
-    topo = Topology(pp=tc.pp, dp=tc.dp, world_rank=ctx.get_world_rank())
     torch.manual_seed(tc.seed)
 
     # ---- setup -------------------------------------------------------------------------------------------------
@@ -57,7 +50,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,
                                activation_checkpoint_reentrant=tc.activation_checkpoint_reentrant,
                                seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl)
-    assert (stage.stage, stage.dp_rank) == (topo.stage, topo.dp_rank), "DeepSpeed topology disagrees with ours"
+    # where this worker sits, as DeepSpeed's grid placed it
+    topo = Topology(pp=stage.num_stages, dp=stage.num_replicas, stage=stage.stage, dp_rank=stage.dp_rank,
+                    world_rank=stage.world_rank)
 
     run_root = resolve(loop_config["run_uri"], s3_endpoint=job.storage.s3_endpoint or None)
     store = CheckpointStore(run_root, keep_last=tc.keep_last, keep_best=tc.keep_best or None,
@@ -239,7 +234,7 @@ class _Samples:
         inner = self.tokenizer.instruct_tokenizer.tokenizer
         new = self.stage.greedy_generate(self.prompts, num_prompts=self.count, micro_batch_size=tc.micro_batch_size,
                                          seq_len=self.job.dataset.seq_len, max_new_tokens=tc.sample_new_tokens,
-                                         eos_id=inner.eos_id, src_rank=(tc.pp - 1) * tc.dp)
+                                         eos_id=inner.eos_id)
         if self.path is None:
             return
         with open(self.path, "a", encoding="utf-8") as f:

@@ -16,23 +16,18 @@ from raytrain.errors import RaytrainError
 
 @dataclass(frozen=True)
 class Topology:
-    """Where a worker sits: DeepSpeed's PipeDataParallelTopology orders ranks pipe-major (rank = stage * dp + dp_rank)."""
+    """Where a worker sits, as DeepSpeed's pipeline grid placed it (raytrain.pipeline.engine.StageEngine reads
+    stage and dp_rank from ``engine.grid``; nothing here recomputes DeepSpeed's rank layout)."""
 
     pp: int
     dp: int
+    stage: int
+    dp_rank: int
     world_rank: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.world_rank < self.pp * self.dp:
-            raise ValueError(f"world_rank {self.world_rank} outside pp*dp = {self.pp * self.dp}")
-
-    @property
-    def stage(self) -> int:
-        return self.world_rank // self.dp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.world_rank % self.dp
+        if not (0 <= self.stage < self.pp and 0 <= self.dp_rank < self.dp):
+            raise ValueError(f"stage {self.stage} / dp_rank {self.dp_rank} outside pp {self.pp} x dp {self.dp}")
 
     @property
     def is_first_stage(self) -> bool:

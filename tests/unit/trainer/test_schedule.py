@@ -11,17 +11,6 @@ from raytrain.trainer.schedule import (
 )
 
 
-def test_topology_is_pipe_major_like_deepspeed():
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
-    pp, dp = 2, 2
-    topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
-    for rank in range(pp * dp):
-        coord = topo.get_coord(rank)
-        ours = Topology(pp=pp, dp=dp, world_rank=rank)
-        assert (ours.stage, ours.dp_rank) == (coord.pipe, coord.data)
-
-
 @pytest.mark.parametrize("dp,m", [(1, 1), (1, 4), (2, 2), (3, 2)])
 def test_every_micro_batch_has_exactly_one_owner(dp, m):
     steps = 5
@@ -34,7 +23,7 @@ def test_every_micro_batch_has_exactly_one_owner(dp, m):
 
 
 def test_middle_stages_do_not_read_data():
-    roles = [Topology(pp=4, dp=1, world_rank=r).needs_data for r in range(4)]
+    roles = [Topology(pp=4, dp=1, stage=r, dp_rank=0, world_rank=r).needs_data for r in range(4)]
     assert roles == [True, False, False, True]
 
 
@@ -59,3 +48,8 @@ def test_too_few_packs_for_one_step_names_the_fields():
     with pytest.raises(RaytrainError, match=r"7 sequences = 3 micro-batches of train\.micro_batch_size=2.*"
                                             r"train\.dp=2 x train\.grad_accum_steps=2"):
         check_enough_packs(num_packs=7, micro_batch_size=2, dp=2, grad_accum_steps=2)
+
+
+def test_topology_refuses_a_place_outside_the_grid():
+    with pytest.raises(ValueError, match="outside pp 2 x dp 1"):
+        Topology(pp=2, dp=1, stage=2, dp_rank=0, world_rank=2)
