@@ -286,7 +286,7 @@ def worker_config(pp: int, threads: int, feed: str, args, files: list[str], num_
             "steps": args.steps, "files": files, "result_path": result_path}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:
@@ -303,12 +303,12 @@ def run_interleaved(args, files: list[str], num_packs: int) -> None:
     actor = ray.remote(num_cpus=1)(InterleavedStage)
     one, two = (worker_config(pp, 1, "memory", args, files, num_packs) for pp in (1, 2))
     streamed = worker_config(2, 1, "ray_data", args, files, num_packs)
-    port_memory, port_streamed = _free_port(), _free_port()
+    port_memory, port_streamed = free_port(), free_port()
     groups = {
-        "pp1-1thread": [actor.remote(one, 0, _free_port())],
+        "pp1-1thread": [actor.remote(one, 0, free_port())],
         "pp2-memory": [actor.remote(two, rank, port_memory) for rank in range(2)],
         "pp2-raydata": [actor.remote(streamed, rank, port_streamed) for rank in range(2)],
-        "pp1-pair": [actor.remote(one, 0, _free_port()) for _ in range(2)],
+        "pp1-pair": [actor.remote(one, 0, free_port()) for _ in range(2)],
     }
     ray.get([a.__ray_ready__.remote() for group in groups.values() for a in group])
     waited_s, busy = wait_for_quiet(args.quiet_busy, args.quiet_timeout)
@@ -365,7 +365,7 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
         import ray
 
         task = ray.remote(num_cpus=threads)(pair_member)
-        pair = ray.get([task.remote(config, _free_port()) for _ in range(2)])
+        pair = ray.get([task.remote(config, free_port()) for _ in range(2)])
         print(f"  {name:<13} round {round_index}: steps {[round(t, 2) for t in pair[0]['step_times']]} and "
               f"{[round(t, 2) for t in pair[1]['step_times']]} s (first {args.warmup} untimed), launch "
               f"{time.perf_counter() - t0:.0f}s, load {load_before:.1f}->{os.getloadavg()[0]:.1f}, waited "
