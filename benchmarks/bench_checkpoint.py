@@ -99,11 +99,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=200, help="checkpoint_every to compare against")
     args = parser.parse_args()
     import torch.multiprocessing as mp
-    from bench_pipeline import _free_port
+    from bench_pipeline import free_port
 
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         root, result = os.path.join(tmp, "run"), os.path.join(tmp, "result")
-        mp.start_processes(worker, args=(_free_port(), args, root, result), nprocs=2, join=True,
+        mp.start_processes(worker, args=(free_port(), args, root, result), nprocs=2, join=True,
                            start_method="spawn")
         ranks = []
         for rank in range(2):

@@ -190,11 +190,12 @@ class StageRunner:
 
         torch.set_num_threads(config["threads"])
         torch.manual_seed(0)
-        topo = Topology(pp=config["pp"], dp=1, world_rank=world_rank)
         init_distributed("gloo")
         self.stage = build_stage_engine(MistralConfig.from_dict(config["model"]), config["ds_config"],
                                         pp=config["pp"], dp=1, partition_method="type:DecoderLayerPipe",
                                         activation_checkpoint_interval=0, seed=0)
+        topo = Topology(pp=self.stage.num_stages, dp=self.stage.num_replicas, stage=self.stage.stage,
+                        dp_rank=self.stage.dp_rank, world_rank=self.stage.world_rank)
         mbs, m = config["micro_batch_size"], config["grad_accum_steps"]
         self.data_iter = None
         if topo.needs_data:
@@ -285,7 +286,7 @@ def worker_config(pp: int, threads: int, feed: str, args, files: list[str], num_
             "steps": args.steps, "files": files, "result_path": result_path}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:
@@ -302,12 +303,12 @@ def run_interleaved(args, files: list[str], num_packs: int) -> None:
     actor = ray.remote(num_cpus=1)(InterleavedStage)
     one, two = (worker_config(pp, 1, "memory", args, files, num_packs) for pp in (1, 2))
     streamed = worker_config(2, 1, "ray_data", args, files, num_packs)
-    port_memory, port_streamed = _free_port(), _free_port()
+    port_memory, port_streamed = free_port(), free_port()
     groups = {
-        "pp1-1thread": [actor.remote(one, 0, _free_port())],
+        "pp1-1thread": [actor.remote(one, 0, free_port())],
         "pp2-memory": [actor.remote(two, rank, port_memory) for rank in range(2)],
         "pp2-raydata": [actor.remote(streamed, rank, port_streamed) for rank in range(2)],
-        "pp1-pair": [actor.remote(one, 0, _free_port()) for _ in range(2)],
+        "pp1-pair": [actor.remote(one, 0, free_port()) for _ in range(2)],
     }
     ray.get([a.__ray_ready__.remote() for group in groups.values() for a in group])
     waited_s, busy = wait_for_quiet(args.quiet_busy, args.quiet_timeout)
@@ -364,7 +365,7 @@ def run_contender(name: str, round_index: int, *, pp: int, threads: int, feed: s
         import ray
 
         task = ray.remote(num_cpus=threads)(pair_member)
-        pair = ray.get([task.remote(config, _free_port()) for _ in range(2)])
+        pair = ray.get([task.remote(config, free_port()) for _ in range(2)])
         print(f"  {name:<13} round {round_index}: steps {[round(t, 2) for t in pair[0]['step_times']]} and "
               f"{[round(t, 2) for t in pair[1]['step_times']]} s (first {args.warmup} untimed), launch "
               f"{time.perf_counter() - t0:.0f}s, load {load_before:.1f}->{os.getloadavg()[0]:.1f}, waited "

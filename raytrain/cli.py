@@ -1,6 +1,8 @@
 """`raytrain` command line: run / enrich / train / export / generate / status / fetch-jars.
 
-Exit codes: 0 ok, 1 the job failed, 2 bad usage or config.
+The one front end: `jobs/*.py` (what `ray job submit` runs) call `main` with their command, so both take the same
+arguments (the config as a first argument or `--config PATH`, dotted overrides) and end with the same exit codes:
+0 ok, 1 the job failed, 2 bad usage or config.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 EPILOG = """examples:
   raytrain run                                   # the embedded demo: local Ray, sample data, tiny Mistral
   raytrain run configs/demo.yaml train.max_steps=20 storage.run_name=exp1
+  raytrain run --config configs/demo.yaml train.max_steps=20      # the same; jobs/sft.py takes these arguments too
   raytrain status --root ./runs
   raytrain export && raytrain generate runs/$USER/demo/demo "Why is the sky blue?"  # chat with the export
 
@@ -31,6 +34,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", default=None,
                    help=f"job YAML (default: {DEFAULT_CONFIG} when it exists, else built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=20 storage.root=/mnt/x")
+    p.add_argument("--config", dest="config_option", metavar="PATH", default=None,
+                   help="job YAML, as an option (the same as the first argument)")
+    # -v after the command too (`python jobs/sft.py -v ...` passes it there); SUPPRESS keeps a top-level -v
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,17 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """`raytrain run train.max_steps=3` has no config path: treat KEY=VALUE first arguments as overrides."""
+    """`raytrain run train.max_steps=3` has no config path: treat KEY=VALUE first arguments as overrides.
+    A config given both ways is a ConfigError."""
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not os.path.exists(config):
         overrides.insert(0, config)
         config = None
+    if args.config_option is not None:
+        if config is not None:
+            raise ConfigError(f"two job configs: {config!r} and --config {args.config_option!r}; give one")
+        config = args.config_option
     if config is None and os.path.exists(DEFAULT_CONFIG):
         config = DEFAULT_CONFIG
     return config, overrides
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `raytrain` command line (``sys.argv[1:]`` when None); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -2,8 +2,11 @@
 
     cfg = load_job_config("configs/demo.yaml", ["train.max_steps=20", "storage.root=/mnt/shared/raytrain"])
 
-Every section validates itself in ``__post_init__``; cross-section rules live in ``JobConfig.__post_init__``.
-Errors are ``ConfigError`` naming the dotted field and how to fix it.
+Every section validates itself in ``__post_init__``; cross-section rules that need only the config live in
+``JobConfig.__post_init__``. Those that need the model's architecture or a file (train.pp against the model's
+decoder layers, dataset.tokenizer against its vocabulary, the batch sizes in train.ds_config's JSON) are
+``raytrain.runner.preflight``'s, run before any cluster work. Errors are ``ConfigError`` naming the dotted field and
+how to fix it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ ATTENTION_IMPLS = ("dense", "segment", "flex")
 """model.attn_impl values (raytrain.pipeline.attention implements them)."""
 
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
+
+DATA_SECTIONS = ("data", "enrich", "dataset")
+"""The config sections that decide the enriched rows and the packed sequences (``JobConfig.data_hash``)."""
 
 
 def _require(ok: bool, name: str, msg: str) -> None:
@@ -421,7 +427,18 @@ class JobConfig:
 
     def config_hash(self) -> str:
         """Stable short hash of the resolved config (recorded in manifests and checkpoints)."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        return _short_hash(self.to_dict())
+
+    def data_hash(self) -> str:
+        """Stable short hash of the sections that decide the data (``DATA_SECTIONS``): the enrich manifest and the
+        packed set record it, and a run's checkpoints are only valid for one value of it."""
+        tree = self.to_dict()
+        return _short_hash({k: tree[k] for k in DATA_SECTIONS})
+
+
+def _short_hash(tree: dict[str, Any]) -> str:
+    """sha256 (16 hex digits) of a JSON tree, keys sorted."""
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ output for the same settings, so running the same run name again resumes trainin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -16,7 +15,7 @@ from typing import Any
 
 from raytrain.config import JobConfig
 from raytrain.console import framework_output_captured, hook_worker_output
-from raytrain.errors import RaytrainError
+from raytrain.errors import ConfigError, RaytrainError
 from raytrain.storage import StorageLocation, default_user, resolve, run_root
 
 log = logging.getLogger(__name__)
@@ -37,9 +36,8 @@ class Run:
 
     @property
     def data_hash(self) -> str:
-        """Settings that decide the packed sequences; a run's checkpoints are only valid for one value of it."""
-        sections = {k: self.job.to_dict()[k] for k in ("data", "enrich", "dataset")}
-        return hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:16]
+        """JobConfig.data_hash: settings that decide the packed sequences."""
+        return self.job.data_hash()
 
 
 def open_run(job: JobConfig) -> Run:
@@ -296,7 +294,9 @@ stage then skips the second check."""
 
 
 def preflight(run: Run) -> None:
-    """Cheap checks before any cluster work, so a bad setting fails in seconds with a clear message."""
+    """Cheap checks before any cluster work, so a bad setting fails in seconds with a clear message: the
+    cross-section rules that need the model's architecture or a file (raytrain.config's docstring), then the
+    inputs."""
     key = (run.root.uri, run.job.config_hash())
     if key in _PREFLIGHTED:
         return
@@ -307,14 +307,12 @@ def preflight(run: Run) -> None:
 def _preflight(run: Run) -> None:
     from raytrain.enrich.spark import find_java
     from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
-    from raytrain.pipeline.model import model_config
+    from raytrain.pipeline.model import check_num_stages, model_config
 
     job = run.job
     derive_ds_config(load_ds_config(job.train.ds_config), job.train, ds_path=job.train.ds_config)
     model_cfg = model_config(job.model.preset, job.model.init_from)
-    if job.train.pp > model_cfg.num_pipeline_layers:
-        raise RaytrainError(f"train.pp={job.train.pp} stages for a model of {model_cfg.num_pipeline_layers} "
-                            "pipeline layers; lower train.pp")
+    check_num_stages(model_cfg, job.train.pp)  # the rule build_pipeline_module applies on the workers
     if job.model.init_from and os.path.isdir(job.model.init_from):  # else the workers check it where it is mounted
         from raytrain.pipeline.hf_io import check_hf_config
 
@@ -349,7 +347,7 @@ def _check_model_fits_tokenizer(job: JobConfig) -> None:
     vocab = {"v1": 32000, "v3": 32768}[job.dataset.tokenizer]
     model_vocab = model_config(job.model.preset, job.model.init_from).vocab_size
     if model_vocab < vocab:
-        raise RaytrainError(f"model.preset={job.model.preset!r} has vocab {model_vocab} < {vocab} tokens of "
+        raise ConfigError(f"model.preset={job.model.preset!r} has vocab {model_vocab} < {vocab} tokens of "
                             f"dataset.tokenizer={job.dataset.tokenizer!r}; pick a matching tokenizer or preset")
 
 

@@ -33,7 +33,6 @@ DATA_DIR = "data"
 CHECKPOINTS_DIR = "checkpoints"
 REPORTS_DIR = "reports"
 EXPORTS_DIR = "exports"
-RUN_SUBDIRS = (DATA_DIR, CHECKPOINTS_DIR, REPORTS_DIR, EXPORTS_DIR)
 
 _URI_EXAMPLES = {
     "file": "file:///absolute/path",
@@ -114,16 +113,6 @@ class StorageLocation:
     def filesystem(self) -> pafs.FileSystem:
         """pyarrow filesystem for `path`, created on first use and shared by all locations on the same store."""
         return _filesystem(self.scheme, self.authority, self.s3_endpoint)
-
-    @property
-    def ray_storage_path(self) -> str:
-        """`storage_path` for ray.train.RunConfig (pair it with `ray_storage_filesystem`)."""
-        return self.path
-
-    @property
-    def ray_storage_filesystem(self) -> pafs.FileSystem | None:
-        """`storage_filesystem` for ray.train.RunConfig: None for POSIX (Ray uses the path), else `filesystem`."""
-        return None if self.is_posix else self.filesystem
 
     @property
     def name(self) -> str:

@@ -15,7 +15,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-from raytrain.pipeline.model import MistralConfig
+from raytrain.pipeline.model import IGNORE_INDEX, MistralConfig
 from raytrain.pipeline.module import build_pipeline_module
 
 log = logging.getLogger(__name__)
@@ -25,10 +25,22 @@ DS_TAG = "ds"  # DeepSpeed's tag folder inside each of our step directories
 
 @dataclass
 class StageEngine:
+    """One worker's pipeline stage; where it sits comes from DeepSpeed's grid (``engine.grid``)."""
+
     engine: Any  # deepspeed.runtime.pipe.engine.PipelineEngine
     stage: int
     dp_rank: int
     num_stages: int
+    num_replicas: int  # data-parallel pipeline replicas
+    world_rank: int
+
+    @classmethod
+    def of(cls, engine: Any) -> StageEngine:
+        """The stage a DeepSpeed PipelineEngine runs, placed by its grid (PipelineParallelGrid)."""
+        grid = engine.grid
+        return cls(engine=engine, stage=grid.get_stage_id(), dp_rank=grid.get_data_parallel_id(),
+                   num_stages=grid.get_pipe_parallel_world_size(), num_replicas=grid.get_data_parallel_world_size(),
+                   world_rank=grid.get_global_rank())
 
     def train_batch(self, data_iter: Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]] | None) -> float:
         """One optimizer step over grad_accum_steps micro-batches; returns the mean loss (same on every stage)."""
@@ -44,7 +56,7 @@ class StageEngine:
         return float(loss.item()) if torch.is_tensor(loss) else float(loss)
 
     def greedy_generate(self, prompts: list[list[int]] | None, *, num_prompts: int, micro_batch_size: int,
-                        seq_len: int, max_new_tokens: int, eos_id: int, src_rank: int) -> list[list[int]]:
+                        seq_len: int, max_new_tokens: int, eos_id: int) -> list[list[int]]:
         """Greedy continuations of ``num_prompts`` (<= micro_batch_size) prompts through the pipeline; the new token
         ids per prompt, the same on every rank.
 
@@ -52,12 +64,13 @@ class StageEngine:
         whole micro-batch (no KV cache): prompts sit at the start of their row as one document (segment 0), the rest
         is padding (segment -1), and causal attention makes the logits at a row's last token independent of what
         follows. ``prompts``: on the data-reading stages (first and last), None elsewhere; world rank 0 (a first
-        stage) broadcasts their lengths, the last stage of replica 0 (world rank ``src_rank``) its argmax tokens, so
+        stage) broadcasts their lengths, the last stage of replica 0 (DeepSpeed's grid names its rank) its argmax tokens, so
         every replica and stage steps alike. A row stops at ``eos_id``, at ``max_new_tokens`` or at ``seq_len``.
         """
         import torch.distributed as dist
 
         device = self.engine.device
+        src_rank = self.engine.grid.topology().get_rank(pipe=self.num_stages - 1, data=0)
         lengths = torch.zeros(num_prompts, dtype=torch.long, device=device)
         if prompts is not None:
             lengths[:] = torch.tensor([len(p) for p in prompts[:num_prompts]], dtype=torch.long)
@@ -71,7 +84,7 @@ class StageEngine:
                 ids[r, :n] = torch.tensor(prompts[r], dtype=torch.long)
             pos[r, :n] = torch.arange(n)
             seg[r, :n] = 0
-        labels = torch.full_like(ids, -100)  # no target: the loss is 0 and unused
+        labels = torch.full_like(ids, IGNORE_INDEX)  # no target: the loss is 0 and unused
         generated: list[list[int]] = [[] for _ in range(num_prompts)]
         done = [n >= seq_len for n in cur]
         for _ in range(max_new_tokens):
@@ -152,5 +165,4 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config)
     keep_fp32_grad_norm(engine)
-    return StageEngine(engine=engine, stage=engine.stage_id, dp_rank=engine.grid.data_parallel_id,
-                       num_stages=engine.num_stages)
+    return StageEngine.of(engine)

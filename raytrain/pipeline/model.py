@@ -30,7 +30,7 @@ from torch import nn
 from raytrain.errors import ConfigError, RaytrainError
 from raytrain.pipeline.attention import ATTENTION_IMPLS, packed_attention, prepare_attention
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the label of a position with no target (raytrain.dataset.pack writes it); torch's default
 
 
 @dataclass(frozen=True)
@@ -230,6 +230,18 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def check_num_stages(cfg: MistralConfig, num_stages: int) -> None:
+    """The pipeline-depth rule: every stage holds at least one decoder layer, so 1 <= num_stages (train.pp) <=
+    num_hidden_layers. ``stage_layer_ranges`` applies it before partitioning; the runner's preflight before any
+    cluster work. ConfigError otherwise."""
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
+    if num_stages > cfg.num_hidden_layers:
+        raise ConfigError(
+            f"num_stages ({num_stages}) is larger than num_hidden_layers ({cfg.num_hidden_layers}): some stage "
+            f"would hold no decoder layer. Use at most {cfg.num_hidden_layers} pipeline stages (train.pp).")
 
 
 def model_config(preset: str, init_from: str = "") -> MistralConfig:
@@ -526,13 +538,8 @@ def layer_parameter_counts(cfg: MistralConfig) -> list[int]:
     return [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
 
 
-def count_parameters(cfg: MistralConfig) -> int:
-    """Total parameters (mistral-7b: 7,241,732,096, the same as transformers' MistralForCausalLM)."""
-    return sum(layer_parameter_counts(cfg))
-
-
 __all__ = [
     "IGNORE_INDEX", "MistralConfig", "model_config", "RMSNorm", "Attention", "MLP", "EmbeddingPipe", "DecoderLayerPipe",
     "FinalNormPipe", "LMHeadPipe", "attention_mask", "rope_cos_sin", "init_weights", "layer_constructors",
-    "build_sequential", "causal_lm_loss", "hf_prefix", "layer_parameter_counts", "count_parameters",
+    "build_sequential", "causal_lm_loss", "check_num_stages", "hf_prefix", "layer_parameter_counts",
 ]

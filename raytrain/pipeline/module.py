@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing
@@ -18,24 +17,14 @@ from raytrain.errors import ConfigError
 from raytrain.pipeline.model import (
     DecoderLayerPipe,
     MistralConfig,
-    build_sequential,
     causal_lm_loss,
-    hf_prefix,
+    check_num_stages,
     layer_constructors,
     layer_parameter_counts,
 )
 
 DEFAULT_PARTITION_METHOD = "type:DecoderLayerPipe"
 PARTITION_METHODS = ("type:DecoderLayerPipe", "parameters", "uniform")
-
-
-def _check_stages(cfg: MistralConfig, num_stages: int) -> None:
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
-    if num_stages > cfg.num_hidden_layers:
-        raise ConfigError(
-            f"num_stages ({num_stages}) is larger than num_hidden_layers ({cfg.num_hidden_layers}): some stage "
-            f"would hold no decoder layer. Use at most {cfg.num_hidden_layers} pipeline stages.")
 
 
 def stage_layer_ranges(cfg: MistralConfig, num_stages: int,
@@ -47,7 +36,7 @@ def stage_layer_ranges(cfg: MistralConfig, num_stages: int,
     layers whose class name matches (case-insensitive), all via DeepSpeed's own partition helpers.
     Raises ConfigError for an unknown method, too many stages, or a partition that leaves a stage empty.
     """
-    _check_stages(cfg, num_stages)
+    check_num_stages(cfg, num_stages)
     method = partition_method.lower()
     names = [cls.__name__ for cls, _args, _kwargs in layer_constructors(cfg)]
     if method == "uniform":
@@ -69,22 +58,6 @@ def stage_layer_ranges(cfg: MistralConfig, num_stages: int,
         raise ConfigError(f"partition_method {partition_method!r} leaves stage(s) {empty} of {num_stages} without "
                           f"layers (ranges {ranges}); use fewer stages or partition_method 'uniform'")
     return ranges
-
-
-def stage_parameter_names(cfg: MistralConfig, layer_range: tuple[int, int]) -> dict[str, str]:
-    """Hugging Face name -> DeepSpeed stage-module name for the layers in ``layer_range``.
-
-    Inside a PipelineModule a layer's parameter ``weight`` of pipeline layer ``i`` is named ``f"{i}.weight"``; in
-    Hugging Face it is ``hf_prefix(i) + "weight"``.
-    """
-    start, stop = layer_range
-    with torch.device("meta"):
-        layers = build_sequential(cfg)
-    names: dict[str, str] = {}
-    for layer_index in range(start, stop):
-        for local_name, _param in layers[layer_index].named_parameters():
-            names[hf_prefix(layer_index, cfg) + local_name] = f"{layer_index}.{local_name}"
-    return names
 
 
 def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
@@ -127,5 +100,5 @@ def stage_range(module: PipelineModule) -> tuple[int, int]:
     return int(module.parts[module.stage_id]), int(module.parts[module.stage_id + 1])
 
 
-__all__ = ["DEFAULT_PARTITION_METHOD", "PARTITION_METHODS", "stage_layer_ranges", "stage_parameter_names",
-           "build_pipeline_module", "stage_range"]
+__all__ = ["DEFAULT_PARTITION_METHOD", "PARTITION_METHODS", "stage_layer_ranges", "build_pipeline_module",
+           "stage_range"]

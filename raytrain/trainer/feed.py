@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from raytrain.dataset.pack import PAD_SEGMENT_ID
+from raytrain.dataset.pack import IGNORE_INDEX, PAD_SEGMENT_ID
 from raytrain.dataset.packs import PackCounts
-from raytrain.pipeline.model import IGNORE_INDEX
 from raytrain.trainer.schedule import epoch_and_offset, micro_batches_per_step, owns_micro_batch
 
 MODEL_COLUMNS = ("input_ids", "position_ids", "segment_ids", "labels")
@@ -59,13 +58,8 @@ def _column(batch: dict[str, np.ndarray], name: str) -> np.ndarray:
 
 
 def count_targets(batch: dict[str, np.ndarray]) -> int:
-    """Tokens with a training target (label != -100) in a numpy batch."""
+    """Tokens with a training target (label != IGNORE_INDEX) in a numpy batch."""
     return int(np.count_nonzero(_column(batch, "labels") != IGNORE_INDEX))
-
-
-def count_real_tokens(batch: dict[str, np.ndarray]) -> int:
-    """Tokens that are not padding (segment id != PAD_SEGMENT_ID) in a numpy batch."""
-    return int(np.count_nonzero(_column(batch, "segment_ids") != PAD_SEGMENT_ID))
 
 
 def to_micro_batch(batch: dict[str, np.ndarray], loss_scale: float) -> MicroBatch:

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray
 import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -18,6 +19,7 @@ from raytrain.errors import RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.storage import StorageLocation
 from raytrain.trainer.loop import train_loop_per_worker
+from raytrain.trainer.schedule import check_enough_packs
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +30,10 @@ class TrainResult:
     checkpoint_dir: str
 
 
-def job_as_overrides(job: JobConfig) -> list[str]:
-    """The resolved job config as dotted overrides: plain strings travel to workers and rebuild the same config."""
-    import json
-
-    return [f"{key}={json.dumps(value)}" for key, value in job.flat_dict().items()]
+def ray_storage(location: StorageLocation) -> tuple[str, pafs.FileSystem | None]:
+    """``(storage_path, storage_filesystem)`` for ray.train.RunConfig: a POSIX path goes as it is (Ray opens it),
+    an object-store path with the resolver's pyarrow filesystem (which carries the endpoint and credentials)."""
+    return location.path, None if location.is_posix else location.filesystem
 
 
 def software_versions() -> dict[str, str]:
@@ -85,12 +86,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     validation = _evaluable(packed.validation, "validation", tc.micro_batch_size, tc.dp)
     benchmark = _evaluable(packed.benchmark, "benchmark", tc.micro_batch_size, tc.dp)
     ds_config = derive_ds_config(load_ds_config(tc.ds_config), tc, ds_path=tc.ds_config)
-    micro_batches_per_epoch = num_packs // tc.micro_batch_size
-    if micro_batches_per_epoch < tc.dp * tc.grad_accum_steps:
-        raise ValueError(
-            f"the packed dataset holds {num_packs} sequences = {micro_batches_per_epoch} micro-batches of "
-            f"{tc.micro_batch_size}, fewer than one optimizer step needs ({tc.dp} x {tc.grad_accum_steps}); "
-            "use more data, a smaller dataset.seq_len or smaller batches")
+    check_enough_packs(num_packs, tc.micro_batch_size, tc.dp, tc.grad_accum_steps)
     if validation is None and tc.eval_every:
         log.warning("train.eval_every=%d but the run has no validation set: no eval loss (set "
                     "dataset.validation_fraction > 0)", tc.eval_every)
@@ -102,7 +98,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     if run_root.is_posix:
         run_root.join("reports").mkdirs()  # workers append metrics and data traces here
     loop_config = {
-        "overrides": job_as_overrides(job),
+        "job": job,
         "run_uri": run_root.uri,
         "ds_config": ds_config,
         "packed": _files_of(packed),
@@ -111,6 +107,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         "local_reports_dir": run_root.join("reports").path if run_root.scheme == "file" else None,
         "versions": software_versions(),
     }
+    storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
@@ -119,8 +116,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
                                      resources_per_worker=tc.worker_resources() or None,
                                      placement_strategy=tc.placement_strategy),
         run_config=RunConfig(
-            name="ray_train", storage_path=run_root.join("ray").ray_storage_path,
-            storage_filesystem=run_root.join("ray").ray_storage_filesystem,
+            name="ray_train", storage_path=storage_path, storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=max_failures)),
         # No `datasets=`: Ray Train would shard them by world rank, and the two data-reading stages of a pipeline
         # must see the same micro-batches (ray#60439). Each reading worker streams exactly its replica's packs with

@@ -18,34 +18,28 @@ import torch
 import torch.distributed as dist
 
 from raytrain.checkpoint.store import CheckpointStore
-from raytrain.config import JobConfig, load_job_config
+from raytrain.config import JobConfig
+from raytrain.dataset.pack import IGNORE_INDEX
 from raytrain.dataset.packs import PackReader
 from raytrain.dataset.stream import stream_micro_batches
-from raytrain.pipeline.flops import flops_per_token, pipeline_bubble_fraction
-from raytrain.pipeline.model import IGNORE_INDEX, model_config
+from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
+from raytrain.pipeline.model import model_config
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
-from raytrain.trainer.schedule import Topology, data_position, validation_micro_batches_of
+from raytrain.trainer.schedule import Topology, check_resume_position, data_position, validation_micro_batches_of
 from raytrain.trainer.tracking import Trackers
 
 log = logging.getLogger(__name__)
 
 
-def _job_from(loop_config: dict[str, Any]) -> JobConfig:
-    return load_job_config(None, loop_config["overrides"])
-
-
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Entry point run by every TorchTrainer worker. `loop_config` holds plain data only (it is pickled to workers):
-    overrides (the resolved job config as dotted overrides), run_uri, ds_config, packed / validation (folder URI, file
-    names, number of packs), versions."""
+    """Entry point run by every TorchTrainer worker. `loop_config` (pickled to the workers): job (the JobConfig),
+    run_uri, ds_config, packed / validation / benchmark (folder URI, file names, number of packs), versions."""
     from raytrain.pipeline.engine import build_stage_engine, init_distributed
 
-    job = _job_from(loop_config)
+    job: JobConfig = loop_config["job"]
     tc = job.train
-    ctx = ray.train.get_context()
-    topo = Topology(pp=tc.pp, dp=tc.dp, world_rank=ctx.get_world_rank())
     torch.manual_seed(tc.seed)
 
     # ---- setup -------------------------------------------------------------------------------------------------
@@ -56,7 +50,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,
                                activation_checkpoint_reentrant=tc.activation_checkpoint_reentrant,
                                seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl)
-    assert (stage.stage, stage.dp_rank) == (topo.stage, topo.dp_rank), "DeepSpeed topology disagrees with ours"
+    # where this worker sits, as DeepSpeed's grid placed it
+    topo = Topology(pp=stage.num_stages, dp=stage.num_replicas, stage=stage.stage, dp_rank=stage.dp_rank,
+                    world_rank=stage.world_rank)
 
     run_root = resolve(loop_config["run_uri"], s3_endpoint=job.storage.s3_endpoint or None)
     store = CheckpointStore(run_root, keep_last=tc.keep_last, keep_best=tc.keep_best or None,
@@ -107,7 +103,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # ---- train -------------------------------------------------------------------------------------------------
     seq_len = job.dataset.seq_len
     tokens_per_step = tc.global_batch_size * seq_len
-    flops_tok = flops_per_token(model_cfg, seq_len)
     bubble = pipeline_bubble_fraction(tc.grad_accum_steps, tc.pp)
     reports_dir = loop_config.get("local_reports_dir")
     metrics_path = os.path.join(reports_dir, "metrics.jsonl") if reports_dir else None
@@ -140,7 +135,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "eta_s": seconds_per_step * (end_step - step),
             "samples_per_s": tc.global_batch_size / step_time_s,
             "pipeline_bubble": bubble, "stage": topo.stage, "dp_rank": topo.dp_rank,
-            "mfu": (tokens_per_s * flops_tok / (tc.peak_tflops * 1e12 * tc.num_workers)) if tc.peak_tflops else None,
+            "mfu": mfu(tokens_per_s, model_cfg, seq_len, tc.peak_tflops * 1e12 * tc.num_workers) if tc.peak_tflops else None,
             "data_position": data_position(step, tc.dp, tc.grad_accum_steps),
         }
         if eval_sets and (step == end_step or (tc.eval_every and step % tc.eval_every == 0)):
@@ -239,7 +234,7 @@ class _Samples:
         inner = self.tokenizer.instruct_tokenizer.tokenizer
         new = self.stage.greedy_generate(self.prompts, num_prompts=self.count, micro_batch_size=tc.micro_batch_size,
                                          seq_len=self.job.dataset.seq_len, max_new_tokens=tc.sample_new_tokens,
-                                         eos_id=inner.eos_id, src_rank=(tc.pp - 1) * tc.dp)
+                                         eos_id=inner.eos_id)
         if self.path is None:
             return
         with open(self.path, "a", encoding="utf-8") as f:
@@ -291,9 +286,8 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     local = ckpt.local_path or store.download(ckpt, tempfile.mkdtemp(prefix="raytrain-resume-"))
     client_state = stage.load(local)
     step = int(client_state["step"])
-    if client_state["data_position"] != data_position(step, tc.dp, tc.grad_accum_steps):
-        raise RuntimeError(f"checkpoint {ckpt.uri} records data position {client_state['data_position']}, which "
-                           "does not match its step under this batch layout (train.dp / grad_accum_steps changed?)")
+    check_resume_position(client_state["data_position"], step, tc.dp, tc.grad_accum_steps, ckpt.uri,
+                          saved_with=(ckpt.manifest.get("metadata", {}).get("config") or {}).get("train"))
     store.protect(step)  # retention never deletes the checkpoint a run resumed from
     if topo.world_rank == 0:
         print(f"[raytrain] resumed from checkpoint step {step} ({ckpt.uri})", flush=True)

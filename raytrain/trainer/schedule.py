@@ -11,26 +11,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raytrain.errors import RaytrainError
+
 
 @dataclass(frozen=True)
 class Topology:
-    """Where a worker sits: DeepSpeed's PipeDataParallelTopology orders ranks pipe-major (rank = stage * dp + dp_rank)."""
+    """Where a worker sits, as DeepSpeed's pipeline grid placed it (raytrain.pipeline.engine.StageEngine reads
+    stage and dp_rank from ``engine.grid``; nothing here recomputes DeepSpeed's rank layout)."""
 
     pp: int
     dp: int
+    stage: int
+    dp_rank: int
     world_rank: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.world_rank < self.pp * self.dp:
-            raise ValueError(f"world_rank {self.world_rank} outside pp*dp = {self.pp * self.dp}")
-
-    @property
-    def stage(self) -> int:
-        return self.world_rank // self.dp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.world_rank % self.dp
+        if not (0 <= self.stage < self.pp and 0 <= self.dp_rank < self.dp):
+            raise ValueError(f"stage {self.stage} / dp_rank {self.dp_rank} outside pp {self.pp} x dp {self.dp}")
 
     @property
     def is_first_stage(self) -> bool:
@@ -66,6 +63,32 @@ def validation_micro_batches_of(dp_rank: int, dp: int, num_packs: int, micro_bat
 def data_position(step: int, dp: int, grad_accum_steps: int) -> int:
     """Global micro-batches consumed after `step` optimizer steps (what a checkpoint records)."""
     return step * micro_batches_per_step(dp, grad_accum_steps)
+
+
+def check_resume_position(recorded: int, step: int, dp: int, grad_accum_steps: int, checkpoint: str,
+                          saved_with: dict | None = None) -> None:
+    """A checkpoint's recorded data position must be ``data_position(step, ...)`` under this run's batch layout;
+    else RaytrainError naming the fields that changed and the fix. ``saved_with``: the checkpoint's train section."""
+    if recorded == data_position(step, dp, grad_accum_steps):
+        return
+    saved = saved_with or {}
+    then = (f" (it was saved with train.dp={saved['dp']}, train.grad_accum_steps={saved['grad_accum_steps']})"
+            if "dp" in saved and "grad_accum_steps" in saved else "")
+    raise RaytrainError(
+        f"checkpoint {checkpoint} records data position {recorded} at step {step}, which this run's batch layout "
+        f"(train.dp={dp}, train.grad_accum_steps={grad_accum_steps}) cannot reach{then}: set train.dp and "
+        "train.grad_accum_steps back to the values it was saved with, or start a new run (storage.run_name)")
+
+
+def check_enough_packs(num_packs: int, micro_batch_size: int, dp: int, grad_accum_steps: int) -> None:
+    """One optimizer step needs dp x grad_accum_steps full micro-batches; else RaytrainError naming the fields."""
+    micro_batches = num_packs // micro_batch_size
+    if micro_batches < micro_batches_per_step(dp, grad_accum_steps):
+        raise RaytrainError(
+            f"the packed dataset holds {num_packs} sequences = {micro_batches} micro-batches of "
+            f"train.micro_batch_size={micro_batch_size}, fewer than one optimizer step needs (train.dp={dp} x "
+            f"train.grad_accum_steps={grad_accum_steps}); use more data (data.input_path), a smaller "
+            "dataset.seq_len or smaller batches")
 
 
 def epoch_and_offset(position: int, micro_batches_per_epoch: int) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from loopback_s3 import loopback_s3
 
 from raytrain.config import load_job_config
 from raytrain.storage import StorageLocation, resolve
+from raytrain.trainer.launch import ray_storage
 
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -84,7 +85,7 @@ def test_resolved_views_agree(roots):
     assert posix.spark_uri == posix.uri == f"file://{posix.path}"  # never a bare path for Spark
     assert file_uri.spark_uri.startswith("file:///") and resolve(file_uri.spark_uri) == file_uri
     assert s3.spark_uri == f"s3a://{BUCKET}/forms" and resolve(s3.spark_uri, s3_endpoint=s3.s3_endpoint) == s3
-    assert posix.ray_storage_filesystem is None and s3.ray_storage_filesystem is s3.filesystem
+    assert ray_storage(posix) == (posix.path, None) and ray_storage(s3) == (f"{BUCKET}/forms", s3.filesystem)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -131,11 +132,11 @@ def test_ray_train_storage_and_workers_share_files(form, roots, ray_local):
     if not loc.join("pyarrow", "part-00000.parquet").exists():
         _pyarrow_write(loc)
     ray_root = loc.join("ray")
+    storage_path, storage_filesystem = ray_storage(ray_root)
     trainer = TorchTrainer(
         _train_loop, train_loop_config={"uri": loc.uri, "endpoint": loc.s3_endpoint},
         scaling_config=ScalingConfig(num_workers=1, use_gpu=False),
-        run_config=RunConfig(name="forms", storage_path=ray_root.ray_storage_path,
-                             storage_filesystem=ray_root.ray_storage_filesystem))
+        run_config=RunConfig(name="forms", storage_path=storage_path, storage_filesystem=storage_filesystem))
     result = trainer.fit()
     assert result.metrics["rows"] == TABLE.num_rows
     # the checkpoint Ray Train persisted is under the resolved location, readable with the resolver's filesystem

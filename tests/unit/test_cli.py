@@ -66,6 +66,34 @@ def test_unknown_config_key_exits_2_naming_the_key(tmp_path):
     assert_no_ray_and_no_traceback(out)
 
 
+@pytest.mark.parametrize("front", [("-m", "raytrain.cli", "train"), ("jobs/train.py",)], ids=("cli", "job"))
+def test_config_option_spelling_and_job_scripts_share_the_cli_error_path(front, tmp_path):
+    """`--config PATH` (the jobs/*.py spelling) reads the same YAML as the first argument, and a job script ends
+    through the CLI's handlers: a config error is exit code 2 with its one-line message."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, *front, "--config", "configs/demo.yaml", "train.max_step=3",
+                          f"storage.root={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "raytrain: config error: unknown config key 'train.max_step'" in out.stderr
+    assert_no_ray_and_no_traceback(out)
+
+
+def test_config_given_twice_is_a_config_error(tmp_path):
+    out = cli("train", "--config", "configs/demo.yaml", "configs/demo.yaml", f"storage.root={tmp_path}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "two job configs" in out.stderr
+
+
+def test_more_stages_than_decoder_layers_exits_2_before_starting_ray(tmp_path):
+    """The tiny preset has 2 decoder layers: train.pp=3 is refused in preflight by the rule the workers'
+    build_pipeline_module applies (not at L + 3 pipeline layers, after Ray has started)."""
+    out = cli("train", "configs/demo.yaml", "model.preset=tiny", "train.pp=3", f"storage.root={tmp_path}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "num_stages (3) is larger than num_hidden_layers (2)" in out.stderr and "(train.pp)" in out.stderr
+    assert_no_ray_and_no_traceback(out)
+
+
 def test_missing_input_path_exits_1_before_starting_ray(tmp_path):
     missing = tmp_path / "no-such-dataset"
     root = tmp_path / "runs"

@@ -107,3 +107,12 @@ def test_tracking_and_shuffle_settings_are_checked():
         load_job_config(None, ["train.tracking=[tensorboard]"])
     with pytest.raises(ConfigError, match="train.wandb_mode"):
         load_job_config(None, ["train.wandb_mode=cloud"])
+
+
+def test_data_hash_follows_only_the_sections_that_decide_the_data():
+    a = load_job_config(DEMO)
+    assert a.data_hash() == load_job_config(DEMO).data_hash()
+    for override in ("enrich.top_k=5", "dataset.seq_len=64", "data.splits=[chat]"):
+        assert load_job_config(DEMO, [override]).data_hash() != a.data_hash(), override
+    for override in ("train.lr=0.1", "model.attn_impl=segment", "storage.run_name=other"):
+        assert load_job_config(DEMO, [override]).data_hash() == a.data_hash(), override

@@ -48,3 +48,15 @@ def test_ruff_is_clean():
     out = subprocess.run([ruff, "check", "raytrain", "jobs", "tests", "benchmarks"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_public_surface_is_the_entry_points_and_imports_nothing_heavy():
+    code = ("import sys, raytrain\n"
+            "assert not {'pyarrow', 'ray', 'torch', 'yaml'} & set(sys.modules), sorted(sys.modules)\n"
+            "from raytrain import runner, config\n"
+            "assert raytrain.run_sft is runner.run_sft and raytrain.run_enrich_only is runner.run_enrich_only\n"
+            "assert raytrain.run_train is runner.run_train and raytrain.export_latest is runner.export_latest\n"
+            "assert raytrain.load_job_config is config.load_job_config\n"
+            "assert all(hasattr(raytrain, name) for name in raytrain.__all__)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

@@ -329,7 +329,7 @@ def test_eval_loss_is_the_token_mean_over_the_whole_validation_set(gloo_group, h
     load_hf_into_stage(module, hf_dir)
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(), model_parameters=module.parameters())
     before = stage_state(module)
-    loss = StageEngine(engine=engine, stage=0, dp_rank=0, num_stages=1).eval_loss(iter(own), len(own))
+    loss = StageEngine.of(engine).eval_loss(iter(own), len(own))
 
     reference = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -349,9 +349,8 @@ def test_greedy_generation_through_the_pipeline_equals_transformers_generate(glo
     module = build_pipeline_module(CFG, num_stages=1)
     load_hf_into_stage(module, hf_dir)
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(), model_parameters=module.parameters())
-    new = StageEngine(engine=engine, stage=0, dp_rank=0, num_stages=1).greedy_generate(
-        prompts, num_prompts=2, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, max_new_tokens=6, eos_id=-1,
-        src_rank=0)
+    new = StageEngine.of(engine).greedy_generate(
+        prompts, num_prompts=2, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, max_new_tokens=6, eos_id=-1)
     reference = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     for prompt, tokens in zip(prompts, new, strict=True):
         with torch.no_grad():

@@ -16,8 +16,8 @@ from raytrain.pipeline.model import (
     MistralConfig,
     build_sequential,
     causal_lm_loss,
-    count_parameters,
     hf_prefix,
+    layer_parameter_counts,
 )
 
 
@@ -53,7 +53,7 @@ def test_mistral_7b_parameter_count_matches_transformers():
     with torch.device("meta"):
         reference = transformers.MistralForCausalLM(cfg.to_hf())
     hf_count = sum(p.numel() for p in reference.parameters())
-    assert count_parameters(cfg) == hf_count
+    assert sum(layer_parameter_counts(cfg)) == hf_count
     assert hf_count == 7_241_732_096  # FACTS.md: Mistral-7B-v0.1 built on meta with transformers 5.24
 
 

@@ -8,7 +8,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain.errors import RaytrainError
-from raytrain.storage import RUN_SUBDIRS, default_user, resolve, run_root
+from raytrain.storage import default_user, resolve, run_root
 
 
 @pytest.mark.parametrize("given", ["/mnt/lustre/team", "/tmp/x/../y", "file:///mnt/gpfs/a/"])
@@ -25,7 +25,6 @@ def test_posix_paths_match_pyarrow_and_pathlib(given):
     assert loc.spark_uri == loc.uri  # explicit file://, so an HDFS fs.defaultFS cannot redirect it
     assert loc.local_path == loc.path
     assert isinstance(loc.filesystem, pafs.LocalFileSystem)
-    assert loc.ray_storage_path == loc.path and loc.ray_storage_filesystem is None
 
 
 def test_file_localhost_uri_is_local():
@@ -54,7 +53,6 @@ def test_s3_views(monkeypatch):
     )
     assert loc.s3_endpoint is None and loc.local_path is None and loc.spark_conf == {}
     assert resolve(loc.spark_uri) == loc  # s3a:// resolves back to the same place
-    assert loc.ray_storage_path == "bucket/runs/x"
 
 
 def test_s3_endpoint_argument_and_env(monkeypatch):
@@ -137,7 +135,6 @@ def test_join_and_run_root(tmp_path):
     assert rr.parent.name == "proj"
     s3 = run_root(resolve("s3://b", s3_endpoint="http://127.0.0.1:1"), "alice", "proj", "r")
     assert s3.uri == "s3://b/alice/proj/r"
-    assert set(RUN_SUBDIRS) == {"data", "checkpoints", "reports", "exports"}
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,14 @@
 import pytest
 
-from raytrain.trainer.schedule import Topology, data_position, epoch_and_offset, owns_micro_batch
-
-
-def test_topology_is_pipe_major_like_deepspeed():
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
-    pp, dp = 2, 2
-    topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
-    for rank in range(pp * dp):
-        coord = topo.get_coord(rank)
-        ours = Topology(pp=pp, dp=dp, world_rank=rank)
-        assert (ours.stage, ours.dp_rank) == (coord.pipe, coord.data)
+from raytrain.errors import RaytrainError
+from raytrain.trainer.schedule import (
+    Topology,
+    check_enough_packs,
+    check_resume_position,
+    data_position,
+    epoch_and_offset,
+    owns_micro_batch,
+)
 
 
 @pytest.mark.parametrize("dp,m", [(1, 1), (1, 4), (2, 2), (3, 2)])
@@ -26,7 +23,7 @@ def test_every_micro_batch_has_exactly_one_owner(dp, m):
 
 
 def test_middle_stages_do_not_read_data():
-    roles = [Topology(pp=4, dp=1, world_rank=r).needs_data for r in range(4)]
+    roles = [Topology(pp=4, dp=1, stage=r, dp_rank=0, world_rank=r).needs_data for r in range(4)]
     assert roles == [True, False, False, True]
 
 
@@ -35,3 +32,24 @@ def test_epoch_and_offset():
     assert epoch_and_offset(15, 7) == (2, 1)
     with pytest.raises(ValueError):
         epoch_and_offset(3, 0)
+
+
+def test_resume_under_a_changed_batch_layout_names_the_fields_and_the_saved_values():
+    recorded = data_position(10, dp=2, grad_accum_steps=4)  # saved at step 10 with dp 2, m 4: 80 micro-batches
+    check_resume_position(recorded, 10, 2, 4, "ckpt/step_10")
+    with pytest.raises(RaytrainError, match=r"train\.dp=1, train\.grad_accum_steps=4\) cannot reach \(it was saved "
+                                            r"with train\.dp=2, train\.grad_accum_steps=4\)") as info:
+        check_resume_position(recorded, 10, 1, 4, "ckpt/step_10", saved_with={"dp": 2, "grad_accum_steps": 4})
+    assert "set train.dp and train.grad_accum_steps back" in str(info.value)
+
+
+def test_too_few_packs_for_one_step_names_the_fields():
+    check_enough_packs(num_packs=8, micro_batch_size=2, dp=2, grad_accum_steps=2)  # 4 micro-batches: one step
+    with pytest.raises(RaytrainError, match=r"7 sequences = 3 micro-batches of train\.micro_batch_size=2.*"
+                                            r"train\.dp=2 x train\.grad_accum_steps=2"):
+        check_enough_packs(num_packs=7, micro_batch_size=2, dp=2, grad_accum_steps=2)
+
+
+def test_topology_refuses_a_place_outside_the_grid():
+    with pytest.raises(ValueError, match="outside pp 2 x dp 1"):
+        Topology(pp=2, dp=1, stage=2, dp_rank=0, world_rank=2)
