@@ -174,15 +174,13 @@ def main() -> int:
                     group = f"enrich-{n}"
                     sc.setJobGroup(group, group)
                     t0 = time.perf_counter()
-                    session = enrich_in_session(spark, job, resolve(samples[n].out_dir),
-                                                resolve(f"{args.out}/runs/bench-{n}"),
-                                                eval_sets=(samples[n].eval_path,))
+                    report = enrich_in_session(spark, job, resolve(samples[n].out_dir),
+                                               resolve(f"{args.out}/runs/bench-{n}"),
+                                               eval_sets=(samples[n].eval_path,)).report
                     seconds = time.perf_counter() - t0
-                    report = session.result.report
                     figures["spark"][n] = {"seconds": seconds, "rows_in": report["rows_in"],
                                            "rows_out": report["rows_out"], "passes": report["passes"],
                                            "jobs": len(sc.statusTracker().getJobIdsForGroup(group))}
-                    session.frame.unpersist()
                     print(f"spark {n} rows: {seconds:.1f} s, passes {report['passes']}, "
                           f"{figures['spark'][n]['jobs']} jobs", flush=True)
         figures["peak_memory_bytes"] = dict(memory.peak)

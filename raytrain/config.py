@@ -37,6 +37,7 @@ ATTENTION_IMPLS = ("dense", "segment", "flex")
 """model.attn_impl values (raytrain.pipeline.attention implements them)."""
 
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
+"""The dataset card's five splits (data.splits chooses among them; the sample writes each)."""
 
 DATA_SECTIONS = ("data", "enrich", "dataset")
 """The config sections that decide the enriched rows and the packed sequences (``JobConfig.data_hash``)."""

@@ -1,9 +1,9 @@
 """Where raytrain reads and writes: one resolver from a user's URI to every framework's view of the same place.
 
 `resolve("/mnt/lustre/team")`, `resolve("s3://bucket/runs")` or `resolve("hdfs://nn:8020/runs")` gives a
-`StorageLocation` that carries the pyarrow path and filesystem (Ray Data, Ray Train, the checkpoint store), an
-explicit `spark_uri` (Spark resolves scheme-less paths against `fs.defaultFS`, which is HDFS on many clusters, so a
-bare `/mnt/x` is always handed to Spark as `file:///mnt/x`), and the pair Ray Train's `RunConfig` wants.
+`StorageLocation` that carries its URI and the pyarrow path and filesystem (Ray Data, the checkpoint store). The
+stages that need another view build it from there: Spark's URI and settings in raytrain.enrich.spark
+(`spark_uri`, `spark_conf`), Ray Train's storage pair in raytrain.trainer.launch (`ray_storage`).
 
 Layout under a shared root: `<root>/<user>/<project>/<run>/{data,checkpoints,reports,exports}/` (`run_root`).
 """
@@ -42,6 +42,11 @@ _URI_EXAMPLES = {
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
+MANIFEST = "_manifest.json"
+"""The file written last into a data folder (enriched rows, packed sequences): it vouches for the files listed in
+it; a folder without it is an interrupted write."""
+
+
 @dataclass(frozen=True)
 class StorageLocation:
     """A resolved place on local/parallel POSIX storage, S3 or HDFS. Build with `resolve`, never by hand."""
@@ -64,40 +69,6 @@ class StorageLocation:
         if self.scheme == "hdfs":
             return f"hdfs://{self.authority}{self.path}"
         return f"file://{self.path}"
-
-    @property
-    def spark_uri(self) -> str:
-        """URI with an explicit scheme for Spark/Hadoop (s3 → s3a://), so fs.defaultFS never redirects a write."""
-        if self.scheme == "s3":
-            return f"s3a://{self.path}"
-        return self.uri
-
-    @property
-    def spark_conf(self) -> dict[str, str]:
-        """Spark settings this location needs beyond the URI; {} when none.
-
-        For s3: the endpoint override (path-style, TLS off for http://), and the driver's AWS_* credentials when
-        set, as Hadoop settings: Spark ships those to its executors, which (RayDP's Java actors) may not have the
-        driver's environment. Spark redacts them in its UI and logs (spark.redaction.regex)."""
-        if self.scheme != "s3":
-            return {}
-        conf: dict[str, str] = {}
-        if self.s3_endpoint is not None:
-            conf["spark.hadoop.fs.s3a.endpoint"] = self.s3_endpoint
-            conf["spark.hadoop.fs.s3a.path.style.access"] = "true"  # loopback/on-prem servers rarely do vhosts
-            if self.s3_endpoint.startswith("http://"):  # S3A defaults to TLS whatever the endpoint's scheme says
-                conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] = "false"
-        key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
-        if key and secret:
-            conf["spark.hadoop.fs.s3a.access.key"] = key
-            conf["spark.hadoop.fs.s3a.secret.key"] = secret
-            token = os.environ.get("AWS_SESSION_TOKEN")
-            if token:
-                conf["spark.hadoop.fs.s3a.session.token"] = token
-            conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
-                "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider" if token
-                else "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider")
-        return conf
 
     @property
     def local_path(self) -> str | None:

@@ -34,14 +34,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
 from raytrain.dataset.length import apply_length
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
-
-IGNORE_INDEX = -100
-"""Label value the loss ignores (torch ``cross_entropy``'s default ``ignore_index``)."""
-PAD_SEGMENT_ID = -1
-"""Segment id of padding tokens; real segments are numbered from 0."""
 
 
 @dataclass

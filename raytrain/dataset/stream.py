@@ -29,11 +29,10 @@ from raytrain.config import DatasetConfig
 from raytrain.dataset.pack import TOKENIZED_COLUMNS, pack_batch, tokenize_frame
 from raytrain.dataset.packs import PackReader
 from raytrain.errors import RaytrainError
-from raytrain.storage import StorageLocation
+from raytrain.storage import MANIFEST, StorageLocation
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "_manifest.json"
 PACK_ROW_GROUP_ROWS = 1
 PACK_BATCH_ROWS = 512  # conversations per map_batches call: large enough that per-batch padding stays small
 

@@ -60,6 +60,7 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from pydantic import ValidationError
 
 from raytrain.config import TEXT_WITH_TOOL_CALLS_POLICIES
+from raytrain.enrich.schema import ROLES
 from raytrain.errors import RaytrainError
 
 TOKENIZER_FILES: dict[str, str] = {
@@ -68,7 +69,6 @@ TOKENIZER_FILES: dict[str, str] = {
 }
 """Tokenizer version name -> file name inside ``mistral_common/data/``."""
 
-ROLES = ("system", "user", "assistant", "tool")
 _V3_CALL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 

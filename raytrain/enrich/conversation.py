@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain.enrich.schema import ROLES
+
 # Quarantine reasons: a fixed vocabulary so reports can count them.
 MISSING_UUID = "missing_uuid"
 MISSING_MESSAGES = "missing_messages"
@@ -26,7 +28,6 @@ QUARANTINE_REASONS: tuple[str, ...] = (
     MISSING_UUID, MISSING_MESSAGES, BAD_ROLE, UNDECODABLE_TEXT, EMPTY_ANSWER, TOO_LONG,
 )
 
-ROLES = ("system", "user", "assistant", "tool")
 # Matches EnrichConfig.max_chars: a guard against pathological rows, far above real ones (~40-48 KB).
 DEFAULT_MAX_CHARS = 1_000_000
 
@@ -58,19 +59,6 @@ class Example:
     tool, content always a str, tool_calls always a list of {"id", "type", "function": {"name", "arguments"}}.
     Every assistant turn is kept (the tokenizer masks by role, so all of them train)."""
 
-    def to_record(self) -> dict:
-        """A plain dict matching raytrain.enrich.schema.EXAMPLE_SCHEMA."""
-        return {
-            "uuid": self.uuid,
-            "category": self.category,
-            "license": self.license,
-            "reasoning": self.reasoning,
-            "context": self.context,
-            "question": self.question,
-            "answer": self.answer,
-            "messages": [_copy_message(m) for m in self.messages],
-        }
-
     def full_text(self) -> str:
         """Every turn's text (tool calls rendered), blank-line separated: the text dedup and decontam look at."""
         return "\n\n".join(render_message_text(m) for m in self.messages)
@@ -87,9 +75,6 @@ class Quarantined:
     detail: str
     """Human-readable specifics: which message, which character, how long."""
 
-    def to_record(self) -> dict:
-        """A plain dict matching raytrain.enrich.schema.QUARANTINE_SCHEMA."""
-        return {"uuid": self.uuid, "reason": self.reason, "detail": self.detail}
 
 
 class _Reject(Exception):
@@ -157,16 +142,6 @@ def _normalize_tool_calls(value: Any, where: str) -> list[dict]:
             }
         )
     return out
-
-
-def _copy_message(m: dict) -> dict:
-    return {
-        "role": m["role"],
-        "content": m["content"],
-        "tool_calls": [
-            {"id": c["id"], "type": c["type"], "function": dict(c["function"])} for c in m["tool_calls"]
-        ],
-    }
 
 
 def render_tool_call(call: dict) -> str:

@@ -29,8 +29,10 @@ from pyspark.sql import types as T
 from raytrain.config import EnrichConfig
 from raytrain.enrich.corpus import CORPUS_FORMAT, CorpusFile, CorpusIndex, build_ann, corpus_key, model_hash
 from raytrain.enrich.corpus_udfs import corpus_embed_batch, corpus_split_batch
+from raytrain.enrich.decontam import build_sorted_index, contamination_counts
 from raytrain.enrich.relevance import default_model_path
-from raytrain.enrich.udfs import build_sorted_index, contamination_counts, map_batches
+from raytrain.enrich.spark import spark_uri
+from raytrain.enrich.udfs import map_batches
 from raytrain.storage import StorageLocation
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ SENTENCES = "sentences"
 def _read_documents(spark: SparkSession, files: Sequence[CorpusFile], id_field: str, text_field: str) -> DataFrame:
     frames = []
     for fmt in ("parquet", "json"):
-        uris = [f.loc.spark_uri for f in files if f.fmt == fmt]
+        uris = [spark_uri(f.loc) for f in files if f.fmt == fmt]
         if uris:
             df = spark.read.parquet(*uris) if fmt == "parquet" else spark.read.json(uris)
             frames.append(df.select(F.col(f"`{id_field}`").cast("string").alias("doc_id"),
@@ -78,7 +80,7 @@ def build_table(spark: SparkSession, files: Sequence[CorpusFile], cfg: EnrichCon
     sentences = folder.join(SENTENCES)
     # Sorted within each file only: a global orderBy samples its input first, which would run the embedding twice;
     # load_corpus_index puts the table in document order on the driver anyway.
-    embedded.sortWithinPartitions("doc_id", "sentence_index").write.mode("overwrite").parquet(sentences.spark_uri)
+    embedded.sortWithinPartitions("doc_id", "sentence_index").write.mode("overwrite").parquet(spark_uri(sentences))
     split.unpersist()
     written = sum(pq.ParquetFile(sentences.filesystem.open_input_file(sentences.join(n).path)).metadata.num_rows
                   for n in sentences.listdir() if n.endswith(".parquet"))

@@ -15,7 +15,8 @@ import pandas as pd
 
 from raytrain.enrich.context import answer_for_scoring, context_block, with_context_block
 from raytrain.enrich.corpus import CorpusIndex, document_sentences, retrieve
-from raytrain.enrich.udfs import _configure_threads, contamination_counts
+from raytrain.enrich.decontam import contamination_counts
+from raytrain.enrich.udfs import _configure_threads
 
 CORPUS_COLUMNS = ("corpus_path", "corpus_doc_ids", "corpus_sentence_indices", "corpus_sentences", "corpus_scores",
                   "corpus_question_scores", "corpus_answer_scores", "corpus_dropped_for_eval")

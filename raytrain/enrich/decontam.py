@@ -29,12 +29,6 @@ def tokenize(text: str) -> list[str]:
     return _TOKEN.findall(unicodedata.normalize("NFKC", text).casefold())
 
 
-def ngrams(text: str, n: int = DEFAULT_NGRAM) -> list[tuple[str, ...]]:
-    """Every window of ``n`` consecutive normalized tokens, in order (none when the text is shorter)."""
-    tokens = tokenize(text)
-    return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-
-
 def ngram_hashes(text: str, n: int = DEFAULT_NGRAM) -> np.ndarray:
     """Distinct stable 64-bit hashes of the text's n-grams -> (K,) uint64 (empty when shorter than n)."""
     if n < 1:
@@ -50,13 +44,17 @@ def build_eval_index(eval_texts: Iterable[str], n: int = DEFAULT_NGRAM) -> set[i
     return index
 
 
-def contaminated(text: str, index: set[int], n: int = DEFAULT_NGRAM, min_overlap: int = 1) -> tuple[bool, int]:
-    """(is_contaminated, matched_count): how many distinct n-grams of ``text`` are in the eval ``index``;
-    contaminated when that count is at least ``min_overlap``."""
-    if min_overlap < 1:
-        raise RaytrainError(f"min_overlap must be >= 1, got {min_overlap}")
-    matched = sum(1 for h in ngram_hashes(text, n).tolist() if h in index)
-    return matched >= min_overlap, matched
+def build_sorted_index(hashes: Iterable[int]) -> np.ndarray:
+    """An eval n-gram hash set as a sorted (K,) uint64 array: ~8 bytes per n-gram to broadcast, vectorized lookups."""
+    return np.unique(np.fromiter(hashes, dtype=np.uint64))
+
+
+def contamination_counts(texts: Iterable[str], sorted_index: np.ndarray, n: int = DEFAULT_NGRAM) -> list[int]:
+    """Per text, how many of its distinct word n-grams are in the eval index (``build_sorted_index``); a row with
+    any is contaminated."""
+    if sorted_index.size == 0:
+        return [0 for _ in texts]
+    return [int(np.isin(ngram_hashes(t, n), sorted_index, assume_unique=True).sum()) for t in texts]
 
 
 def _record_text(record: dict, fields: Sequence[str] | None, where: str) -> str:

@@ -139,11 +139,6 @@ def minhash_signatures(texts: Sequence[str], **kwargs) -> np.ndarray:
     return out
 
 
-def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
-    """Fraction of equal MinHash entries: an unbiased estimate of the Jaccard similarity."""
-    return float(np.mean(np.asarray(sig_a) == np.asarray(sig_b)))
-
-
 @functools.lru_cache(maxsize=64)
 def lsh_params(threshold: float, num_perm: int = 128, fn_weight: float = 0.9) -> tuple[int, int]:
     """(bands, rows) with bands * rows <= num_perm minimising the weighted area of false positives and false

@@ -26,7 +26,8 @@ from typing import Any
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain.enrich.schema import SPLITS, validate_schema
+from raytrain.config import SPLITS
+from raytrain.enrich.schema import validate_schema
 from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation
 

@@ -20,7 +20,7 @@ collect (which runs pass 1 and the dedup), one per write, two statistics rollups
 - ``reports/enrich_summary.txt`` here, ``reports/enrich_report.json`` by the runner (the report dict).
 
 Hand-off to Ray Data: training reads the enriched Parquet (``ray.data.read_parquet``, raytrain.dataset.stream),
-not ``ray.data.from_spark``. Chosen by measurement (benchmarks/bench_enrich.py, 2,000 sample rows -> 1,699 kept,
+not ``ray.data.from_spark``. Chosen by measurement (benchmarks/bench_enrich.py as of 2026-12-03, 2,000 sample rows -> 1,699 kept,
 2 executors, 2-core machine shared with other jobs, load average 3-6): reading the Parquet into a materialized
 Ray Dataset took 2.8 s (best of 2; 0.022 of the 130 s enrichment), ``from_spark`` on the persisted final
 DataFrame 3.8 s (0.030). Both are small next to the enrichment, so the rest decides: the Parquet is written anyway
@@ -49,17 +49,16 @@ from raytrain.config import JobConfig
 from raytrain.console import QUIET
 from raytrain.enrich.conversation import QUARANTINE_REASONS
 from raytrain.enrich.corpus import check_corpus
-from raytrain.enrich.decontam import build_eval_index, eval_text, iter_eval_records
+from raytrain.enrich.decontam import build_eval_index, build_sorted_index, eval_text, iter_eval_records
 from raytrain.enrich.inputs import discover_inputs, validate_inputs
-from raytrain.enrich.report import STEP_REASONS_AFTER_DERIVE, dedup_ratio, enrich_config_hash, step_counts, summary_text
-from raytrain.enrich.udfs import CONTAMINATED, OK, build_sorted_index
+from raytrain.enrich.report import STEP_REASONS_AFTER_DERIVE, dedup_ratio, step_counts, summary_text
+from raytrain.enrich.udfs import CONTAMINATED, OK
 from raytrain.errors import RaytrainError
-from raytrain.storage import StorageLocation, resolve
+from raytrain.storage import MANIFEST, StorageLocation, resolve
 from raytrain.telemetry import record_enrich_step, record_quarantine
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "_manifest.json"
 
 
 @dataclass(frozen=True)
@@ -107,17 +106,8 @@ def load_eval_texts(eval_sets: tuple[str, ...], input_root: StorageLocation, s3_
     return EvalSets(texts, sources, records)
 
 
-@dataclass
-class EnrichSession:
-    """What `enrich_in_session` leaves behind: the result, and the finished Spark DataFrame (persisted, every row
-    with its ``status``) for callers that still hold the Spark session (the benchmark's from_spark hand-off)."""
-
-    result: EnrichResult
-    frame: Any
-
-
 def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
-                      eval_sets: tuple[str, ...] | None = None) -> EnrichSession:
+                      eval_sets: tuple[str, ...] | None = None) -> EnrichResult:
     """The whole enrichment inside an open Spark session (spark.spark_session); see the module docstring.
 
     ``eval_sets`` overrides ``job.enrich.eval_sets`` (the runner passes them resolved). Raises RaytrainError for
@@ -126,6 +116,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     from pyspark.sql import functions as F
 
     from raytrain.enrich import steps
+    from raytrain.enrich.spark import spark_uri
 
     t_start = time.perf_counter()
     cfg = job.enrich
@@ -153,7 +144,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     passes: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    raw = steps.read_inputs(spark, {k: [loc.spark_uri for loc in v] for k, v in files.items()}, job.data.max_rows,
+    raw = steps.read_inputs(spark, {k: [spark_uri(loc) for loc in v] for k, v in files.items()}, job.data.max_rows,
                             {k: v["schema"] for k, v in footers.items()})
     prepared = steps.prepare(raw, eval_array, job)
     flags = steps.duplicates(spark, prepared, job).persist()  # collecting the verified pairs runs pass 1
@@ -178,14 +169,14 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     t0 = time.perf_counter()
     finished = steps.finish(spark, prepared, flags, job, corpus=shipped, eval_index=eval_array)
     finished.filter(F.col("status") == OK).select(*steps.enriched_columns(bool(corpus_files))) \
-        .write.mode("overwrite").parquet(enriched.spark_uri)
+        .write.mode("overwrite").parquet(spark_uri(enriched))
     prepared.unpersist()
     flags.unpersist()
     passes["finish"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     finished.filter(F.col("status") != OK).select(
         *(F.col(c) for c in ("uuid", "split", "category")), F.col("status").alias("reason"), F.col("detail")) \
-        .write.mode("overwrite").parquet(quarantine.spark_uri)
+        .write.mode("overwrite").parquet(spark_uri(quarantine))
     passes["write_quarantine"] = time.perf_counter() - t0
     log.info("enrich: pass 2 (selection%s, tokenization) wrote %s (%.1fs) and %s (%.1fs)",
              ", corpus context" if corpus_files else "", enriched.uri, passes["finish"], quarantine.uri,
@@ -222,7 +213,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     empty_scores = {"all_sentences": {"count": 0}, "kept_sentences": {"count": 0}, "question": {"count": 0},
                     "answer": {"count": 0}}
     sel_overall = {k: v for k, v in (sentences["overall"] or empty_scores).items() if k != "corpus"}
-    config_hash = enrich_config_hash(job)
+    config_hash = job.data_hash()
     manifest_loc = enriched.join(MANIFEST)
     report: dict[str, Any] = {
         "run_uri": run_root.uri, "config_hash": config_hash,
@@ -287,7 +278,8 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     log.info("enrich summary:\n%s", summary, extra={QUIET: False})  # screens of text: the log file only
     log.info("enrich: %d rows in -> %d kept, %d quarantined (%s); summary in %s", rows_in, enriched_rows,
              quarantine_rows, ", ".join(f"{k} {v}" for k, v in per_reason.items()) or "none", summary_loc.uri)
-    return EnrichSession(EnrichResult(enriched=enriched, quarantine=quarantine, report=report), finished)
+    finished.unpersist()
+    return EnrichResult(enriched=enriched, quarantine=quarantine, report=report)
 
 
 SELECTION_ROW_COUNTS = ("rows_with_candidates", "rows_with_context_added", "rows_chunked", "texts_chunked",
@@ -336,16 +328,16 @@ def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLoc
                eval_sets: tuple[str, ...] | None = None) -> EnrichResult:
     """Start Spark on the running Ray cluster, enrich, stop Spark; returns where the outputs are and the report."""
     from raytrain.enrich.jars import spark_jar_configs
-    from raytrain.enrich.spark import spark_session
+    from raytrain.enrich.spark import spark_conf, spark_session
 
     # Fail on bad inputs (and missing s3a jars) in seconds, before a JVM starts.
     validate_inputs(discover_inputs(input_root, job.data.splits))
     corpus_locs = [f.loc for f in check_corpus(job.enrich.context_corpus, job.enrich.corpus_id_field,
                                                job.enrich.corpus_text_field, input_root,
                                                job.storage.s3_endpoint or None)] if job.enrich.context_corpus else []
-    configs = input_root.spark_conf | run_root.spark_conf
+    configs = spark_conf(input_root) | spark_conf(run_root)
     for loc in corpus_locs:
-        configs |= loc.spark_conf
+        configs |= spark_conf(loc)
     configs |= spark_jar_configs(job.enrich.spark_jars, (input_root, run_root, *corpus_locs))
     with spark_session(job.enrich, extra_configs=configs) as spark:
-        return enrich_in_session(spark, job, input_root, run_root, eval_sets).result
+        return enrich_in_session(spark, job, input_root, run_root, eval_sets)

@@ -17,6 +17,7 @@ batch and says how many chunks each text took; the report counts the chunked tex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -50,15 +51,6 @@ class Selection:
     def kept(self, sentences: Sequence[str]) -> list[str]:
         """The kept sentences' text, in original order."""
         return [sentences[i] for i in self.kept_indices]
-
-    def to_record(self) -> dict:
-        """Plain lists, for an Arrow/Spark row."""
-        return {
-            "kept_indices": list(self.kept_indices),
-            "scores": self.scores.tolist(),
-            "q_scores": self.q_scores.tolist(),
-            "a_scores": self.a_scores.tolist(),
-        }
 
 
 def cosine_similarity_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -208,11 +200,8 @@ def score_batch(
             empty = np.zeros(0, dtype=np.float32)
             out.append(Selection((), empty, empty, empty))
             continue
-        sims = emb[sents] @ emb[[qs, as_]].T  # (S, 2) cosine, rows already unit length
-        q_scores, a_scores = sims[:, 0].copy(), sims[:, 1].copy()
-        scores = (question_weight * q_scores + (1.0 - question_weight) * a_scores).astype(np.float32)
-        chunked = int((num_chunks[[*sents, qs, as_]] > 1).sum())
-        out.append(Selection(_select(scores, top_k, threshold), scores, q_scores, a_scores, chunked))
+        sel = select_sentences(sents, emb[sents], emb[qs], emb[as_], top_k, threshold, question_weight)
+        out.append(dataclasses.replace(sel, chunked_texts=int((num_chunks[[*sents, qs, as_]] > 1).sum())))
     return out
 
 

@@ -1,27 +1,12 @@
-"""The enrichment's bookkeeping, pure: config hash, manifest and run-report dicts, and the readable summary.
+"""The enrichment's bookkeeping, pure: per-step counts, run-report dicts, and the readable summary.
 
 No Spark here; the job fills these from counts it collected.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
-
-from raytrain.config import JobConfig
-
-# The config sections that decide the enriched rows (and the packed sequences after them); the same sections as
-# runner.Run.data_hash, so the manifest's hash and the pack stage's hash agree.
-HASHED_SECTIONS = ("data", "enrich", "dataset")
-
-
-def enrich_config_hash(job: JobConfig) -> str:
-    """sha256 (16 hex digits) of the data/enrich/dataset config sections."""
-    sections = {k: job.to_dict()[k] for k in HASHED_SECTIONS}
-    return hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:16]
-
 
 STEP_REASONS_AFTER_DERIVE = ("license", "exact_duplicate", "near_duplicate", "contaminated", "untokenizable",
                              "too_many_tokens")

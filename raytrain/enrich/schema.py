@@ -1,5 +1,5 @@
-"""Arrow schemas of the enrichment stage: the raw Nemotron-Post-Training-Dataset-v1 rows it reads, and the
-derived-example / quarantine rows it writes.
+"""The Arrow schema of the raw Nemotron-Post-Training-Dataset-v1 rows the enrichment reads, and the dataset's message
+roles (the tables the enrichment writes are described in raytrain.enrich.udfs).
 
 Pure pyarrow; no Spark. ``validate_schema`` runs on each input file's schema before any row is read, so a file
 in the wrong shape fails with its path and the offending column instead of deep inside a Spark task.
@@ -12,8 +12,8 @@ import pyarrow as pa
 
 from raytrain.errors import RaytrainError
 
-# The dataset card's five splits; the sample generator writes one folder per split.
-SPLITS: tuple[str, ...] = ("chat", "code", "math", "stem", "tool_calling")
+ROLES = ("system", "user", "assistant", "tool")
+"""The message roles of the dataset (and of the conversations the tokenizer takes)."""
 
 TOOL_CALL_TYPE = pa.struct(
     [
@@ -42,26 +42,6 @@ NEMOTRON_V1_SCHEMA = pa.schema(
         pa.field("metadata", pa.string()),
     ]
 )
-
-# What conversation.Example.to_record() produces (the derived training rows).
-EXAMPLE_SCHEMA = pa.schema(
-    [
-        pa.field("uuid", pa.string()),
-        pa.field("category", pa.string()),
-        pa.field("license", pa.string()),
-        pa.field("reasoning", pa.string()),
-        pa.field("context", pa.string()),
-        pa.field("question", pa.string()),
-        pa.field("answer", pa.string()),
-        pa.field("messages", pa.list_(MESSAGE_TYPE)),
-    ]
-)
-
-# What conversation.Quarantined.to_record() produces.
-QUARANTINE_SCHEMA = pa.schema(
-    [pa.field("uuid", pa.string()), pa.field("reason", pa.string()), pa.field("detail", pa.string())]
-)
-
 
 def _describe(t: pa.DataType) -> str:
     return str(t)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from raytrain.config import EnrichConfig
 from raytrain.errors import RaytrainError
+from raytrain.storage import StorageLocation
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,41 @@ _ADD_OPENS_PACKAGES = (
 )
 JAVA_OPTIONS = " ".join(f"--add-opens={p}=ALL-UNNAMED" for p in _ADD_OPENS_PACKAGES)
 SUPPORTED_JAVA_MAJORS = (8, 11, 17)  # what Spark 3.5 supports
+
+
+def spark_uri(loc: StorageLocation) -> str:
+    """``loc`` as a URI with an explicit scheme for Spark/Hadoop (s3 -> s3a://), so fs.defaultFS never redirects a
+    read or a write."""
+    if loc.scheme == "s3":
+        return f"s3a://{loc.path}"
+    return loc.uri
+
+
+def spark_conf(loc: StorageLocation) -> dict[str, str]:
+    """Spark settings ``loc`` needs beyond its URI; {} when none.
+
+    For s3: the endpoint override (path-style, TLS off for http://), and the driver's AWS_* credentials when
+    set, as Hadoop settings: Spark ships those to its executors, which (RayDP's Java actors) may not have the
+    driver's environment. Spark redacts them in its UI and logs (spark.redaction.regex)."""
+    if loc.scheme != "s3":
+        return {}
+    conf: dict[str, str] = {}
+    if loc.s3_endpoint is not None:
+        conf["spark.hadoop.fs.s3a.endpoint"] = loc.s3_endpoint
+        conf["spark.hadoop.fs.s3a.path.style.access"] = "true"  # loopback/on-prem servers rarely do vhosts
+        if loc.s3_endpoint.startswith("http://"):  # S3A defaults to TLS whatever the endpoint's scheme says
+            conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] = "false"
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if key and secret:
+        conf["spark.hadoop.fs.s3a.access.key"] = key
+        conf["spark.hadoop.fs.s3a.secret.key"] = secret
+        token = os.environ.get("AWS_SESSION_TOKEN")
+        if token:
+            conf["spark.hadoop.fs.s3a.session.token"] = token
+        conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
+            "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider" if token
+            else "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider")
+    return conf
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from raytrain.enrich.context import (
     with_selected_system_prompt,
 )
 from raytrain.enrich.conversation import Example, derive_example
-from raytrain.enrich.decontam import ngram_hashes
+from raytrain.enrich.decontam import contamination_counts
 from raytrain.enrich.dedup import cluster_roots, exact_key, lsh_band_keys, minhash_signature, verified_pairs
 
 OK = "ok"
@@ -167,19 +167,6 @@ def near_duplicate_drops(pairs: pd.DataFrame) -> pd.DataFrame:
     details = [f"near-duplicate of {uuids[kept[i]]} (cluster kept; estimated Jaccard {best.at[i, 'jaccard']:.3f} "
                f"with {uuids[best.at[i, 'partner']]})" for i in dropped]
     return pd.DataFrame({"row_id": nodes["row_id"].to_numpy()[dropped], "dup_detail": details})
-
-
-# ---- decontamination ---------------------------------------------------------------------------------------------
-def build_sorted_index(hashes: Iterable[int]) -> np.ndarray:
-    """An eval n-gram hash set as a sorted (K,) uint64 array: ~8 bytes per n-gram to broadcast, vectorized lookups."""
-    return np.unique(np.fromiter(hashes, dtype=np.uint64))
-
-
-def contamination_counts(texts: Iterable[str], sorted_index: np.ndarray, n: int) -> list[int]:
-    """Per text, how many of its distinct word n-grams are in the eval index."""
-    if sorted_index.size == 0:
-        return [0 for _ in texts]
-    return [int(np.isin(ngram_hashes(t, n), sorted_index, assume_unique=True).sum()) for t in texts]
 
 
 # ---- relevance selection -----------------------------------------------------------------------------------------

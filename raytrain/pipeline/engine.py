@@ -15,7 +15,8 @@ import deepspeed
 import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-from raytrain.pipeline.model import IGNORE_INDEX, MistralConfig
+from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
+from raytrain.pipeline.model import MistralConfig
 from raytrain.pipeline.module import build_pipeline_module
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class StageEngine:
         cur = lengths.tolist()
         ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         pos = torch.zeros_like(ids)
-        seg = torch.full_like(ids, -1)
+        seg = torch.full_like(ids, PAD_SEGMENT_ID)
         for r, n in enumerate(cur):
             if prompts is not None:
                 ids[r, :n] = torch.tensor(prompts[r], dtype=torch.long)

@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raytrain.dataset.labels import IGNORE_INDEX
 from raytrain.errors import ConfigError, RaytrainError
 from raytrain.pipeline.attention import ATTENTION_IMPLS, packed_attention, prepare_attention
-
-IGNORE_INDEX = -100  # the label of a position with no target (raytrain.dataset.pack writes it); torch's default
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA, SPLITS
+from raytrain.config import SPLITS
+from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA
 from raytrain.errors import RaytrainError
 from raytrain.sample_data.corpus import KEY as CORPUS_KEY
 from raytrain.sample_data.corpus import load_corpus_key, write_sample_corpus

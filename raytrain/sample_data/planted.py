@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from raytrain.enrich.schema import SPLITS
+from raytrain.config import SPLITS
 from raytrain.errors import RaytrainError
 from raytrain.sample_data.rows import _Gen
 from raytrain.sample_data.similarity import _char_jaccard

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytrain.config import EnrichConfig
-from raytrain.enrich.schema import SPLITS
+from raytrain.config import SPLITS, EnrichConfig
 
 MAX_CHARS = EnrichConfig().max_chars  # the too_long rows exceed it
 ALLOWED_LICENSES = EnrichConfig().licenses

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from raytrain.dataset.pack import IGNORE_INDEX, PAD_SEGMENT_ID
+from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
 from raytrain.dataset.packs import PackCounts
 from raytrain.trainer.schedule import epoch_and_offset, micro_batches_per_step, owns_micro_batch
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig
-from raytrain.dataset.pack import IGNORE_INDEX
+from raytrain.dataset.labels import IGNORE_INDEX
 from raytrain.dataset.packs import PackReader
 from raytrain.dataset.stream import stream_micro_batches
 from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction

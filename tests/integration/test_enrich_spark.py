@@ -16,11 +16,10 @@ from mistral_common.protocol.instruct.request import ChatCompletionRequest
 from raytrain.config import load_job_config
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
 from raytrain.enrich.context import context_block, final_answer, is_toggle_line
-from raytrain.enrich.job import MANIFEST, run_enrich
+from raytrain.enrich.job import run_enrich
 from raytrain.errors import RaytrainError
-from raytrain.runner import Run
 from raytrain.sample_data import load_corpus_key, load_planted, write_sample_dataset
-from raytrain.storage import resolve
+from raytrain.storage import MANIFEST, resolve
 
 DERIVE_REASONS = ("missing_uuid", "missing_messages", "bad_role", "undecodable_text", "empty_answer", "too_long")
 
@@ -252,7 +251,7 @@ def test_enriched_conversations_tokenize_like_mistral_common(out):
 def test_manifest_and_summary_written(out):
     loc = out.result.enriched
     manifest = json.loads(loc.join(MANIFEST).read_text())
-    assert manifest["config_hash"] == Run(out.job, out.run_root).data_hash
+    assert manifest["config_hash"] == out.job.data_hash()
     assert manifest["enriched"]["files"] == sorted(n for n in os.listdir(loc.path) if n.endswith(".parquet"))
     assert manifest["enriched"]["rows"] == len(out.enriched)
     assert manifest["quarantine"]["rows"] == len(out.quarantine)

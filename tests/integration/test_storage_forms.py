@@ -25,6 +25,7 @@ import ray
 from loopback_s3 import loopback_s3
 
 from raytrain.config import load_job_config
+from raytrain.enrich.spark import spark_conf, spark_uri
 from raytrain.storage import StorageLocation, resolve
 from raytrain.trainer.launch import ray_storage
 
@@ -62,7 +63,7 @@ def spark(roots, ray_local):
 
     fetch_s3a_jars()
     job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2"])
-    configs = roots["s3"].spark_conf | spark_jar_configs((), roots.values())
+    configs = spark_conf(roots["s3"]) | spark_jar_configs((), roots.values())
     assert "hadoop-aws" in configs["spark.jars"]
     with spark_session(job.enrich, app_name="raytrain-storage-forms", extra_configs=configs) as session:
         yield session
@@ -82,9 +83,9 @@ def _read_ids(table: pa.Table) -> list[str]:
 def test_resolved_views_agree(roots):
     posix, file_uri, s3 = roots["posix"], roots["file_uri"], roots["s3"]
     assert posix.scheme == file_uri.scheme == "file"
-    assert posix.spark_uri == posix.uri == f"file://{posix.path}"  # never a bare path for Spark
-    assert file_uri.spark_uri.startswith("file:///") and resolve(file_uri.spark_uri) == file_uri
-    assert s3.spark_uri == f"s3a://{BUCKET}/forms" and resolve(s3.spark_uri, s3_endpoint=s3.s3_endpoint) == s3
+    assert spark_uri(posix) == posix.uri == f"file://{posix.path}"  # never a bare path for Spark
+    assert spark_uri(file_uri).startswith("file:///") and resolve(spark_uri(file_uri)) == file_uri
+    assert spark_uri(s3) == f"s3a://{BUCKET}/forms" and resolve(spark_uri(s3), s3_endpoint=s3.s3_endpoint) == s3
     assert ray_storage(posix) == (posix.path, None) and ray_storage(s3) == (f"{BUCKET}/forms", s3.filesystem)
 
 
@@ -153,10 +154,10 @@ def test_spark_and_pyarrow_share_files(form, roots, spark):
     if not loc.join("pyarrow", "part-00000.parquet").exists():
         _pyarrow_write(loc)
     # Spark reads what pyarrow wrote
-    df = spark.read.parquet(loc.join("pyarrow").spark_uri)
+    df = spark.read.parquet(spark_uri(loc.join("pyarrow")))
     assert sorted(r["uuid"] for r in df.select("uuid").collect()) == _read_ids(TABLE)
     # pyarrow reads what Spark wrote, at the resolved path
-    df.repartition(2).write.mode("overwrite").parquet(loc.join("spark").spark_uri)
+    df.repartition(2).write.mode("overwrite").parquet(spark_uri(loc.join("spark")))
     assert loc.join("spark", "_SUCCESS").exists()  # Spark's commit marker, seen through pyarrow's filesystem
     assert _read_ids(pq.read_table(loc.join("spark").path, filesystem=loc.filesystem)) == _read_ids(TABLE)
 
@@ -172,8 +173,8 @@ def test_spark_with_foreign_default_fs_still_writes_to_resolved_path(roots, spar
         default_uri = jvm.org.apache.hadoop.fs.FileSystem.getDefaultUri(hconf).toString()
         assert default_uri == "hdfs://no-such-namenode.invalid:8020"
         loc = resolve(str(tmp_path / "bare" / "out"))
-        assert loc.spark_uri == f"file://{loc.path}"
-        spark.createDataFrame(TABLE.to_pandas()).coalesce(1).write.mode("overwrite").parquet(loc.spark_uri)
+        assert spark_uri(loc) == f"file://{loc.path}"
+        spark.createDataFrame(TABLE.to_pandas()).coalesce(1).write.mode("overwrite").parquet(spark_uri(loc))
         assert os.path.exists(os.path.join(loc.path, "_SUCCESS"))
         assert _read_ids(pq.read_table(loc.path)) == _read_ids(TABLE)
     finally:
@@ -186,8 +187,9 @@ def test_enrichment_from_s3_to_s3(roots, spark, tmp_path):
     them. pyarrow, reading the bucket directly, finds every input row exactly once: enriched or quarantined."""
     import pyarrow.fs as pafs
 
-    from raytrain.enrich.job import MANIFEST, enrich_in_session
+    from raytrain.enrich.job import enrich_in_session
     from raytrain.sample_data import write_sample_dataset
+    from raytrain.storage import MANIFEST
 
     s3 = roots["s3"]
     sample = write_sample_dataset(str(tmp_path / "sample"), rows_per_split=20)
@@ -195,19 +197,19 @@ def test_enrichment_from_s3_to_s3(roots, spark, tmp_path):
     pafs.copy_files(sample.out_dir, input_root.path, destination_filesystem=input_root.filesystem)
     run_root = s3.join("runs", "ci", "forms", "enrich-s3")
     job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2", f"storage.s3_endpoint={s3.s3_endpoint}"])
-    session = enrich_in_session(spark, job, input_root, run_root, eval_sets=("sample",))
-    report = session.result.report
-    assert session.result.enriched.uri.startswith("s3://") and report["enriched_uri"] == session.result.enriched.uri
+    result = enrich_in_session(spark, job, input_root, run_root, eval_sets=("sample",))
+    report = result.report
+    assert result.enriched.uri.startswith("s3://") and report["enriched_uri"] == result.enriched.uri
 
     fs = s3.filesystem
-    enriched = pq.read_table(session.result.enriched.path, filesystem=fs)
-    quarantine = pq.read_table(session.result.quarantine.path, filesystem=fs)
+    enriched = pq.read_table(result.enriched.path, filesystem=fs)
+    quarantine = pq.read_table(result.quarantine.path, filesystem=fs)
     raw = pa.concat_tables([pq.read_table(p) for p in sample.all_files()])
     assert enriched.num_rows == report["rows_out"] > 0
     assert enriched.num_rows + quarantine.num_rows == raw.num_rows == report["rows_in"]
     raw_ids = sorted(u for u in raw.column("uuid").to_pylist() if u)
     out_ids = sorted(u for u in enriched.column("uuid").to_pylist() + quarantine.column("uuid").to_pylist() if u)
     assert out_ids == raw_ids  # every input row once, no row lost or duplicated on the way through S3
-    manifest = json.loads(session.result.enriched.join(MANIFEST).read_bytes())
+    manifest = json.loads(result.enriched.join(MANIFEST).read_bytes())
     assert manifest["enriched"]["rows"] == enriched.num_rows and manifest["quarantine"]["rows"] == quarantine.num_rows
     assert run_root.join("reports", "enrich_summary.txt").is_file()

@@ -242,7 +242,7 @@ def _token_losses(model, packed_dir: str, files: list[str], micro_batch_size: in
     import numpy as np
     import torch
 
-    from raytrain.pipeline.model import IGNORE_INDEX
+    from raytrain.dataset.labels import IGNORE_INDEX
 
     columns = ["input_ids", "position_ids", "segment_ids", "labels"]
     table = pa.concat_tables([pq.read_table(os.path.join(packed_dir, name), columns=columns) for name in files])

@@ -16,11 +16,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain.config import EnrichConfig
+from raytrain.config import SPLITS, EnrichConfig
 from raytrain.enrich.conversation import Example, derive_example
-from raytrain.enrich.decontam import build_eval_index, contaminated, load_eval_sets
+from raytrain.enrich.decontam import build_eval_index, build_sorted_index, contamination_counts, load_eval_sets
 from raytrain.enrich.dedup import exact_key, minhash_signature, near_duplicate_groups
-from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA, SPLITS, validate_schema
+from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA, validate_schema
 from raytrain.sample_data import CARD_BYTES_PER_ROW, load_planted, write_sample_dataset
 
 FILE_NAME = re.compile(r"data/(chat|code|math|stem|tool)-(\d{5})-of-(\d{5})\.parquet")
@@ -281,7 +281,9 @@ def test_exact_and_near_duplicates_match_answer_key(sample, derived):
 def test_contamination_matches_answer_key(sample, derived):
     planted = sample.planted
     index = build_eval_index(load_eval_sets([sample.manifest.eval_path]), planted["ngram"])
-    hits = {e.uuid for e in _examples(derived) if contaminated(e.full_text(), index, planted["ngram"])[0]}
+    examples = _examples(derived)
+    counts = contamination_counts([e.full_text() for e in examples], build_sorted_index(index), planted["ngram"])
+    hits = {e.uuid for e, n in zip(examples, counts, strict=True) if n}
     assert hits == {x["uuid"] for x in planted["contaminated"]}
     assert not hits & {x["uuid"] for x in planted["not_contaminated"]}
 

@@ -17,7 +17,7 @@ from raytrain.enrich.conversation import (
     Quarantined,
     derive_example,
 )
-from raytrain.enrich.schema import EXAMPLE_SCHEMA, NEMOTRON_V1_SCHEMA, QUARANTINE_SCHEMA
+from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA
 
 
 def _m(role, content, tool_calls=None):
@@ -57,13 +57,11 @@ def test_final_turn_tool_calls_are_rendered_in_answer():
     assert ex.answer == 'Checking.\n<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
 
 
-def test_record_matches_example_schema_and_pickles():
+def test_example_and_quarantined_pickle():  # Spark ships them between Python workers
     ex = derive_example(_row(MULTI))
-    table = pa.Table.from_pylist([ex.to_record()], schema=EXAMPLE_SCHEMA)
-    assert table.to_pylist()[0] == ex.to_record()
     assert pickle.loads(pickle.dumps(ex)) == ex
     q = derive_example({"uuid": None})
-    assert pa.Table.from_pylist([q.to_record()], schema=QUARANTINE_SCHEMA).to_pylist()[0] == q.to_record()
+    assert pickle.loads(pickle.dumps(q)) == q
 
 
 def test_rows_from_pandas_numpy_arrays_give_the_same_example():

@@ -22,8 +22,7 @@ from raytrain.enrich.corpus import (
     recall_at_k,
     retrieve,
 )
-from raytrain.enrich.decontam import build_eval_index
-from raytrain.enrich.udfs import build_sorted_index
+from raytrain.enrich.decontam import build_eval_index, build_sorted_index
 from raytrain.errors import RaytrainError
 from raytrain.storage import resolve
 

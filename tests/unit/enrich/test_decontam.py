@@ -8,16 +8,26 @@ import pytest
 
 from raytrain.enrich.decontam import (
     build_eval_index,
-    contaminated,
+    build_sorted_index,
+    contamination_counts,
     load_eval_sets,
     ngram_hashes,
-    ngrams,
     tokenize,
 )
 from raytrain.errors import RaytrainError
 
 EVAL = ("A cyclist leaves Arden at 7 in the morning riding at 20 kilometres per hour toward Brill, which is 60 "
         "kilometres away; when does the cyclist arrive?")
+
+
+def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """The literal word n-grams: the reference the hashes are checked against."""
+    words = tokenize(text)
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def count(text: str, index: set[int], n: int = 13) -> int:
+    return contamination_counts([text], build_sorted_index(index), n)[0]
 
 
 def test_tokenize_and_ngrams():
@@ -36,12 +46,23 @@ def test_contamination_at_13_words_not_12():
     words = EVAL.split()
     thirteen = "My homework: " + " ".join(words[3:16]) + " -- what now?"
     twelve = "My homework: " + " ".join(words[3:15]) + " -- what now?"
-    assert contaminated(thirteen, index, 13) == (True, 1)
-    assert contaminated(twelve, index, 13) == (False, 0)
+    assert count(thirteen, index) == 1
+    assert count(twelve, index) == 0
     # case, punctuation and spacing do not hide a copy
-    hit, count = contaminated("Q: " + EVAL.upper().replace(" ", "   "), index, 13)
-    assert hit and count == len(set(ngrams(EVAL, 13)))
-    assert contaminated(thirteen, index, 13, min_overlap=2) == (False, 1)
+    assert count("Q: " + EVAL.upper().replace(" ", "   "), index) == len(set(ngrams(EVAL, 13)))
+
+
+def test_contamination_counts_equal_the_literal_ngrams_shared():
+    evals = ["the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat today",
+             "a completely different sentence about numbers one two three four five six seven eight nine ten"]
+    texts = ["Intro. The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat! ok",
+             "quick brown fox jumps over the lazy dog while the cat sleeps",  # 12 words of it
+             "", "a completely different sentence about numbers one two three four five six seven eight nine"]
+    got = contamination_counts(texts, build_sorted_index(build_eval_index(evals, 13)), 13)
+    shared = set().union(*(ngrams(e, 13) for e in evals))
+    assert got == [len(set(ngrams(t, 13)) & shared) for t in texts]
+    assert got[0] > 0 and got[1] == 0
+    assert contamination_counts(texts, build_sorted_index([]), 13) == [0, 0, 0, 0]
 
 
 def test_short_eval_items_add_nothing():

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from raytrain.enrich.dedup import (
-    estimated_jaccard,
     exact_key,
     lsh_band_keys,
     lsh_params,
@@ -24,6 +23,11 @@ from raytrain.errors import RaytrainError
 
 WORDS = ("river stone maple quiet orbit lantern velvet copper meadow signal harbor thistle canyon ember falcon "
          "prism willow glacier saffron tundra").split()
+
+
+def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
+    """The MinHash estimate of the Jaccard similarity: the fraction of equal signature entries."""
+    return float(np.mean(np.asarray(sig_a) == np.asarray(sig_b)))
 
 
 def _text(rng, n=80):

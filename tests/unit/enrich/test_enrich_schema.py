@@ -4,8 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain.config import SPLITS as CONFIG_SPLITS
-from raytrain.enrich.schema import MESSAGE_TYPE, NEMOTRON_V1_SCHEMA, SPLITS, conform_table, validate_schema
+from raytrain.enrich.schema import MESSAGE_TYPE, NEMOTRON_V1_SCHEMA, conform_table, validate_schema
 from raytrain.errors import RaytrainError
 
 ROW = {
@@ -23,10 +22,6 @@ def _write(tmp_path, table, name="f.parquet"):
     path = str(tmp_path / name)
     pq.write_table(table, path)
     return path, pq.read_schema(path)
-
-
-def test_splits_match_config():
-    assert SPLITS == CONFIG_SPLITS
 
 
 def test_canonical_file_validates_and_round_trips(tmp_path):

@@ -13,9 +13,14 @@ import pytest
 from raytrain.config import EnrichConfig
 from raytrain.enrich import udfs
 from raytrain.enrich.conversation import Example, derive_example
-from raytrain.enrich.decontam import build_eval_index, contaminated
-from raytrain.enrich.dedup import estimated_jaccard, exact_key, lsh_band_keys, minhash_signature
+from raytrain.enrich.decontam import build_eval_index, build_sorted_index, tokenize
+from raytrain.enrich.dedup import exact_key, lsh_band_keys, minhash_signature
 from raytrain.sample_data import write_sample_dataset
+
+
+def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
+    """The MinHash estimate of the Jaccard similarity: the fraction of equal signature entries."""
+    return float(np.mean(np.asarray(sig_a) == np.asarray(sig_b)))
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +33,12 @@ def sample_batch(tmp_path_factory):
     return pdf, table.to_pylist()
 
 
+def _ngrams(text: str, n: int = 13) -> set[tuple[str, ...]]:
+    """The literal word n-grams (the hashes' independent reference)."""
+    words = tokenize(text)
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
 PREPARE = {"max_chars": EnrichConfig().max_chars, "licenses": ["MIT", "cc-by-4.0"], "num_perm": 32, "bands": 8,
            "rows": 4, "shingle_chars": 5, "ngram": 13}
 
@@ -37,7 +48,7 @@ def _work_row(uuid, messages, **kw):
     assert isinstance(ex, Example), ex
     out = udfs.prepare_batch(pd.DataFrame([{"uuid": uuid, "license": "mit", "category": "chat", "reasoning": "off",
                                             "messages": messages, "row_id": kw.get("row_id", 0), "split": "chat"}]),
-                             eval_index=udfs.build_sorted_index([]), **PREPARE)
+                             eval_index=build_sorted_index([]), **PREPARE)
     assert out["status"].tolist() == [udfs.OK]
     return out[list(udfs.PREPARED.names[:12])]
 
@@ -46,7 +57,8 @@ def test_prepare_batch_matches_the_reference_functions(sample_batch):
     pdf, rows = sample_batch
     texts = [ex.full_text() for ex in (derive_example(r) for r in rows) if isinstance(ex, Example)]
     eval_hashes = build_eval_index(texts[:2], 13)  # two rows' text as the eval set: those two are contaminated
-    out = udfs.prepare_batch(pdf, eval_index=udfs.build_sorted_index(eval_hashes), **PREPARE)
+    eval_ngrams = set().union(*(_ngrams(t) for t in texts[:2]))
+    out = udfs.prepare_batch(pdf, eval_index=build_sorted_index(eval_hashes), **PREPARE)
     assert list(out.columns) == udfs.PREPARED.names and len(out) == len(rows)
     pa.Table.from_pandas(out, schema=udfs.PREPARED, preserve_index=False)  # the schema Spark is told holds
     verdicts = set()
@@ -61,7 +73,7 @@ def test_prepare_batch_matches_the_reference_functions(sample_batch):
             sig = minhash_signature(ref.full_text(), num_perm=32, ngram=5)
             assert np.array_equal(np.frombuffer(got["signature"], dtype=np.uint32), sig)
             assert list(got["band_keys"]) == lsh_band_keys(sig, 8, 4).tolist()
-            assert got["eval_ngrams"] == contaminated(ref.full_text(), eval_hashes, 13)[1]
+            assert got["eval_ngrams"] == len(_ngrams(ref.full_text()) & eval_ngrams)
         elif isinstance(ref, Example):
             assert got["status"] == udfs.LICENSE and f"license '{ref.license}'" in got["detail"]
         else:
@@ -131,19 +143,6 @@ def test_near_duplicate_chains_and_stars_keep_one_row_each():
     assert details[1] == "near-duplicate of a (cluster kept; estimated Jaccard 0.850 with b)"
     assert details[8] == "near-duplicate of e (cluster kept; estimated Jaccard 0.810 with e)"
     assert udfs.near_duplicate_drops(_pairs([])).empty
-
-
-def test_contamination_counts_match_decontam_contaminated():
-    evals = ["the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat today",
-             "a completely different sentence about numbers one two three four five six seven eight nine ten"]
-    texts = ["Intro. The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat! ok",
-             "quick brown fox jumps over the lazy dog while the cat sleeps",  # 12 words of it
-             "", "a completely different sentence about numbers one two three four five six seven eight nine"]
-    index = build_eval_index(evals, 13)
-    got = udfs.contamination_counts(texts, udfs.build_sorted_index(index), 13)
-    assert got == [contaminated(t, index, 13)[1] for t in texts]
-    assert got[0] > 0 and got[1] == 0
-    assert udfs.contamination_counts(texts, udfs.build_sorted_index([]), 13) == [0, 0, 0, 0]
 
 
 def _select(batch, **kw):

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrain.pipeline.model import IGNORE_INDEX, causal_lm_loss
+from raytrain.dataset.labels import IGNORE_INDEX
+from raytrain.pipeline.model import causal_lm_loss
 
 
 def _reference(logits, labels, scale=None):

@@ -7,6 +7,7 @@ import threading
 import pyarrow.fs as pafs
 import pytest
 
+from raytrain.enrich.spark import spark_conf, spark_uri
 from raytrain.errors import RaytrainError
 from raytrain.storage import default_user, resolve, run_root
 
@@ -22,7 +23,7 @@ def test_posix_paths_match_pyarrow_and_pathlib(given):
     else:
         assert loc.path == os.path.abspath(given)
     assert loc.uri == pathlib.PurePosixPath(loc.path).as_uri()
-    assert loc.spark_uri == loc.uri  # explicit file://, so an HDFS fs.defaultFS cannot redirect it
+    assert spark_uri(loc) == loc.uri  # explicit file://, so an HDFS fs.defaultFS cannot redirect it
     assert loc.local_path == loc.path
     assert isinstance(loc.filesystem, pafs.LocalFileSystem)
 
@@ -36,7 +37,7 @@ def test_relative_path_becomes_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     loc = resolve("runs/a")
     assert loc.path == str(tmp_path / "runs" / "a")
-    assert loc.spark_uri == (tmp_path / "runs" / "a").as_uri()
+    assert spark_uri(loc) == (tmp_path / "runs" / "a").as_uri()
 
 
 def test_s3_views(monkeypatch):
@@ -45,14 +46,14 @@ def test_s3_views(monkeypatch):
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(var, raising=False)
     loc = resolve("s3://bucket/runs/x/")
-    assert (loc.scheme, loc.path, loc.uri, loc.spark_uri) == (
+    assert (loc.scheme, loc.path, loc.uri, spark_uri(loc)) == (
         "s3",
         "bucket/runs/x",
         "s3://bucket/runs/x",
         "s3a://bucket/runs/x",
     )
-    assert loc.s3_endpoint is None and loc.local_path is None and loc.spark_conf == {}
-    assert resolve(loc.spark_uri) == loc  # s3a:// resolves back to the same place
+    assert loc.s3_endpoint is None and loc.local_path is None and spark_conf(loc) == {}
+    assert resolve(spark_uri(loc)) == loc  # s3a:// resolves back to the same place
 
 
 def test_s3_endpoint_argument_and_env(monkeypatch):
@@ -63,8 +64,8 @@ def test_s3_endpoint_argument_and_env(monkeypatch):
     loc = resolve("s3://b/k")
     assert loc.s3_endpoint == "http://127.0.0.1:7000"
     assert loc.join("c").s3_endpoint == loc.s3_endpoint  # children keep the endpoint
-    assert loc.spark_conf["spark.hadoop.fs.s3a.endpoint"] == "http://127.0.0.1:7000"
-    assert loc.spark_conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] == "false"  # http:// endpoint
+    assert spark_conf(loc)["spark.hadoop.fs.s3a.endpoint"] == "http://127.0.0.1:7000"
+    assert spark_conf(loc)["spark.hadoop.fs.s3a.connection.ssl.enabled"] == "false"  # http:// endpoint
     fs = loc.filesystem
     assert isinstance(fs, pafs.S3FileSystem)
     options = fs.__reduce__()[1][0]  # pyarrow's own record of how it was built
@@ -76,15 +77,15 @@ def test_s3_spark_conf_carries_driver_credentials(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    conf = resolve("s3://b/k", s3_endpoint="https://s3.internal:443").spark_conf
+    conf = spark_conf(resolve("s3://b/k", s3_endpoint="https://s3.internal:443"))
     assert conf["spark.hadoop.fs.s3a.access.key"] == "AKIDEXAMPLE" and conf["spark.hadoop.fs.s3a.secret.key"] == "s3cr3t"
     assert conf["spark.hadoop.fs.s3a.aws.credentials.provider"].endswith("SimpleAWSCredentialsProvider")
     assert "spark.hadoop.fs.s3a.connection.ssl.enabled" not in conf  # https endpoint keeps TLS
     monkeypatch.setenv("AWS_SESSION_TOKEN", "tok")
-    conf = resolve("s3://b/k").spark_conf
+    conf = spark_conf(resolve("s3://b/k"))
     assert conf["spark.hadoop.fs.s3a.session.token"] == "tok"
     assert conf["spark.hadoop.fs.s3a.aws.credentials.provider"].endswith("TemporaryAWSCredentialsProvider")
-    assert resolve("/tmp/x").spark_conf == {}  # never leaked into non-S3 locations
+    assert spark_conf(resolve("/tmp/x")) == {}  # never leaked into non-S3 locations
 
 
 def test_hdfs_views_without_connecting():
@@ -95,7 +96,7 @@ def test_hdfs_views_without_connecting():
         "nn.example:8020",
         "hdfs://nn.example:8020/user/a",
     )
-    assert loc.spark_uri == loc.uri
+    assert spark_uri(loc) == loc.uri
     assert resolve("hdfs:///user/a").uri == "hdfs:///user/a"
 
 
