@@ -1,4 +1,4 @@
-"""Run the stages of a job on one Ray cluster: enrich (Spark on Ray) -> tokenize + pack (Ray Data) -> train.
+"""Run the stages of a job on one Ray cluster: enrich + tokenize (Spark on Ray) -> pack (Ray Data) -> train.
 
 `run_sft` is what `raytrain run` and `jobs/sft.py` call. Each stage skips itself when the run already holds its
 output for the same settings, so running the same run name again resumes training where its checkpoint left off.

@@ -1,4 +1,5 @@
-"""Ray Data hand-off: enriched Parquet -> tokenized, packed sequences (Parquet on the run root) -> training stream.
+"""Ray Data hand-off: enriched Parquet (token ids stored by the enrichment) -> packed sequences (Parquet on the run
+root) -> training stream.
 
 The packed sequences are written once per run so a resumed or restarted run reads exactly the same micro-batches in
 the same order (the checkpoint records a position in this fixed sequence).

@@ -167,16 +167,14 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         passes["corpus_table"] = corpus["prepare_seconds"]
 
     t0 = time.perf_counter()
-    finished = steps.finish(spark, prepared, flags, job, corpus=shipped, eval_index=eval_array)
+    finished = steps.finish(prepared, flags, job, corpus=shipped, eval_index=eval_array)
     finished.filter(F.col("status") == OK).select(*steps.enriched_columns(bool(corpus_files))) \
         .write.mode("overwrite").parquet(spark_uri(enriched))
     prepared.unpersist()
     flags.unpersist()
     passes["finish"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    finished.filter(F.col("status") != OK).select(
-        *(F.col(c) for c in ("uuid", "split", "category")), F.col("status").alias("reason"), F.col("detail")) \
-        .write.mode("overwrite").parquet(spark_uri(quarantine))
+    steps.quarantined(finished).write.mode("overwrite").parquet(spark_uri(quarantine))
     passes["write_quarantine"] = time.perf_counter() - t0
     log.info("enrich: pass 2 (selection%s, tokenization) wrote %s (%.1fs) and %s (%.1fs)",
              ", corpus context" if corpus_files else "", enriched.uri, passes["finish"], quarantine.uri,

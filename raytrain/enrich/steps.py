@@ -35,7 +35,6 @@ SHINGLE_CHARS = 5  # character 5-grams of the normalized text
 TORCH_THREADS_PER_TASK = 1
 """Torch threads of each Python worker. Spark runs ``executor_cores`` tasks at once per executor (spark.task.cpus
 is 1), each in its own Python worker: one thread each keeps workers x threads = the executor's cores."""
-QUARANTINE_COLUMNS = ("uuid", "split", "category", "reason", "detail")
 ROW_COLUMNS = ("uuid", "split", "category", "license", "reasoning", "context", "question", "answer")
 """The enriched table's identity and derived-text columns; the audit columns come from udfs' schemas."""
 
@@ -124,7 +123,7 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Data
     return exact.unionByName(near)
 
 
-def finish(spark: SparkSession, prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
+def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
            eval_index: Any = None) -> DataFrame:
     """Pass 2: every row with its final verdict (derive/license from pass 1, then exact or near duplicate, then
     contaminated), hash-partitioned by uuid and sorted by uuid within each partition (the written files' order,
@@ -299,3 +298,9 @@ def enriched_columns(corpus: bool) -> list[str]:
     """The enriched table as written: identity, derived text, selection (and corpus) audit, tokens, messages."""
     return [*ROW_COLUMNS, *udfs.SELECTION.names, *(udfs.CORPUS.names if corpus else ()),
             *udfs.TOKENS.names, "messages_json"]
+
+
+def quarantined(finished: DataFrame) -> DataFrame:
+    """The quarantine table as written: ``uuid, split, category, reason, detail`` of every row not kept."""
+    return finished.filter(F.col("status") != udfs.OK).select(
+        "uuid", "split", "category", F.col("status").alias("reason"), "detail")

@@ -44,7 +44,7 @@ def _overrides(root) -> list[str]:
 
 
 def _write_packed(job, num_conversations: int):
-    """Synthetic enriched rows (uuid, messages_json) -> Ray Data tokenize + pack into the run's data folder."""
+    """Synthetic conversations, tokenized like enriched rows -> Ray Data packing into the run's data folder."""
     from raytrain.dataset.stream import pack_enriched
 
     rng = random.Random(1)

@@ -44,7 +44,7 @@ _WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega ri
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
 def synthetic_conversations(n: int, seed: int = 0) -> pa.Table:
-    """Enriched-like rows (uuid, messages_json) of varied length: what the enrich stage hands to tokenize + pack."""
+    """Conversations (uuid, messages_json) of varied length, tokenized before they are written like enriched rows."""
     rng = random.Random(seed)
     uuids, messages_json = [], []
     for i in range(n):

@@ -36,7 +36,7 @@ FIRST_LAUNCH_STOP = 4
 
 
 def synthetic_conversations(n: int, seed: int = 1) -> pa.Table:
-    """Enriched-like rows (uuid, messages_json): what the enrich stage hands to tokenize + pack."""
+    """Conversations (uuid, messages_json), tokenized before they are written like the enrich stage's rows."""
     rng = random.Random(seed)
     words = "alpha beta gamma delta river stone cloud field light vector matrix proof token batch".split()
     rows = []
