@@ -167,7 +167,9 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         passes["corpus_table"] = corpus["prepare_seconds"]
 
     t0 = time.perf_counter()
-    finished = steps.finish(prepared, flags, job, corpus=shipped, eval_index=eval_array)
+    retrieve_seconds = sc.accumulator(0.0)
+    finished = steps.finish(prepared, flags, job, corpus=shipped, eval_index=eval_array,
+                            retrieve_seconds=retrieve_seconds)
     finished.filter(F.col("status") == OK).select(*steps.enriched_columns(bool(corpus_files))) \
         .write.mode("overwrite").parquet(spark_uri(enriched))
     prepared.unpersist()
@@ -251,6 +253,8 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         from raytrain.enrich.corpus_table import ann_recall
 
         index = shipped.value
+        # task seconds summed over the workers (a retried task counts twice): retrieval runs inside pass 2
+        corpus["retrieve_seconds"] = round(retrieve_seconds.value, 2)
         corpus["recall"] = ann_recall(finished.filter(F.col("status") == OK), index, cfg) \
             if index.ann is not None else None
         corpus_rows = {"overall": overall, "per_split": {k: v for k, v in rows["per_split"].items() if v["rows"]}}
@@ -302,7 +306,7 @@ def _corpus_report(prepared: dict[str, Any], rows: dict[str, Any], sentences: di
         "contaminated": prepared["index"]["contaminated"], "searchable": prepared["index"]["searchable"],
         "method": prepared["index"]["method"], "exact_max_sentences": cfg.corpus_exact_max_sentences,
         "ann_build_seconds": prepared["index"]["ann_build_seconds"], "recall": prepared["recall"],
-        "prepare_seconds": prepared["prepare_seconds"],
+        "prepare_seconds": prepared["prepare_seconds"], "retrieve_seconds": prepared["retrieve_seconds"],
         "top_k": cfg.top_k, "min_score": cfg.min_score, "question_weight": cfg.question_weight,
         "rows": rows["overall"].get("rows", 0), **rows["overall"].get("corpus", {}),
         **(sentences["overall"] or {}).get("corpus", empty), "top_documents": top_documents,

@@ -179,7 +179,7 @@ def _corpus_lines(c: dict[str, Any]) -> list[str]:
              f"{c['sentences_split']} sentences split, {c['duplicates_collapsed']} exact duplicates collapsed, "
              f"{c['sentences']} in the table; {table}",
              f"  removed as contaminated (an n-gram shared with the eval sets): {c['contaminated_removed']}; "
-             f"searchable {c['searchable']}; search {search}",
+             f"searchable {c['searchable']}; search {search}; retrieval {c['retrieve_seconds']:.1f} s of tasks",
              f"  rows given corpus context: {c['rows_added']} of {c['rows']} (own context {c['rows_own_context']}, "
              f"nothing >= min_score {c['min_score']}: {c['rows_below_min_score']}); sentences added "
              f"{c['sentences_added']}, dropped at the block's eval check {c['sentences_dropped_at_block_check']}",

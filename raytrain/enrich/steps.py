@@ -124,12 +124,13 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Data
 
 
 def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
-           eval_index: Any = None) -> DataFrame:
+           eval_index: Any = None, retrieve_seconds: Any = None) -> DataFrame:
     """Pass 2: every row with its final verdict (derive/license from pass 1, then exact or near duplicate, then
     contaminated), hash-partitioned by uuid and sorted by uuid within each partition (the written files' order,
     deterministic without a global sort), through udfs.finish_batch. ``corpus``: the broadcast CorpusIndex when
-    enrich.context_corpus is set (``eval_index`` then the broadcast eval array). Persisted: the enriched and
-    quarantine writes and the statistics read it."""
+    enrich.context_corpus is set (``eval_index`` then the broadcast eval array); ``retrieve_seconds``, a Spark
+    accumulator, sums the seconds its tasks spend in the corpus retrieval. Persisted: the enriched and quarantine
+    writes and the statistics read it."""
     cfg, ds = job.enrich, job.dataset
     n = cfg.decontam_ngram
     status = (F.when(F.col("status") != udfs.OK, F.col("status")).when(F.col("dup_reason").isNotNull(), F.col("dup_reason"))
@@ -155,7 +156,10 @@ def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = 
             "question_weight": cfg.question_weight, "answer_text": cfg.answer_text,
             "num_threads": TORCH_THREADS_PER_TASK}
         for pdf in batches:
-            yield udfs.finish_batch(pdf, select=select, tokenize=tokenize, corpus=retrieval)
+            seconds: dict[str, float] = {}
+            yield udfs.finish_batch(pdf, select=select, tokenize=tokenize, corpus=retrieval, seconds=seconds)
+            if retrieve_seconds is not None and "corpus" in seconds:
+                retrieve_seconds.add(seconds["corpus"])
 
     schema = spark_schema(udfs.finished_schema(corpus is not None))
     return rows.mapInPandas(body, schema=schema).persist(StorageLevel.MEMORY_AND_DISK)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -285,7 +286,7 @@ _TYPE_OF = {f.name: f.type for f in TOKENS}
 
 # ---- pass 2: selection, corpus context, tokenization ----------------------------------------------------------------
 def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[str, Any],
-                 corpus: dict[str, Any] | None = None) -> pd.DataFrame:
+                 corpus: dict[str, Any] | None = None, seconds: dict[str, float] | None = None) -> pd.DataFrame:
     """Rows of the finishing pass (PREPARED's row columns with the final dedup/decontamination verdict in
     ``status``) -> ``finished_schema(corpus is not None)`` rows in the same order.
 
@@ -301,7 +302,10 @@ def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[st
         if corpus is not None:
             from raytrain.enrich.corpus_udfs import corpus_context_batch
 
+            t0 = time.perf_counter()
             ok = corpus_context_batch(ok, **corpus)
+            if seconds is not None:  # the corpus retrieval's share of the pass, for the report
+                seconds["corpus"] = seconds.get("corpus", 0.0) + time.perf_counter() - t0
         parts.append(tokenize_batch(ok, **tokenize))
     if not keep.all():
         rest = pdf[~keep][[n for n in schema.names if n in pdf.columns]].copy()

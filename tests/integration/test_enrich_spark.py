@@ -379,6 +379,7 @@ def test_corpus_rows_tokenize_like_mistral_common(out):
 def test_corpus_report(out):
     corpus, key = out.report["corpus"], load_corpus_key(out.sample.out_dir)
     assert corpus["method"] == "exact" and corpus["recall"] is None and not corpus["reused"]
+    assert corpus["retrieve_seconds"] > 0  # the retrieval's task seconds inside pass 2 (a Spark accumulator)
     assert corpus["sentences_embedded_this_run"] == corpus["sentences"] > 0
     # the boilerplate sentence closes every answering document: collapsed to one
     assert corpus["duplicates_collapsed"] >= len(key["answered"]) - 1

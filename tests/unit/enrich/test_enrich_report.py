@@ -85,6 +85,7 @@ def test_summary_text_corpus_section():
               "duplicates_collapsed": 11, "sentences": 49, "reused": False, "sentences_embedded_this_run": 49,
               "embed_seconds": 3.2, "contaminated_removed": 1, "searchable": 48, "method": "approximate",
               "exact_max_sentences": 10, "recall": {"k": 3, "recall": 1.0, "rows": 20}, "ann_build_seconds": 0.1,
+              "retrieve_seconds": 1.5,
               "rows": 70, "rows_added": 4, "rows_own_context": 50,
               "rows_below_min_score": 16, "min_score": 0.4, "sentences_added": 4,
               "sentences_dropped_at_block_check": 0, "scores": dist, "question": dist, "answer": dist,
@@ -95,7 +96,7 @@ def test_summary_text_corpus_section():
     for needle in ("context corpus (1 file(s), 12 documents", "11 exact duplicates collapsed",
                    "embedded 49 sentences in 3.2 s", "removed as contaminated (an n-gram shared with the eval sets): 1",
                    "recall@3 1.0 vs exact on 20 rows", "rows given corpus context: 4 of 70", "doc-7 (3 in 2 rows)",
-                   "chat          added 4 of 70"):
+                   "chat          added 4 of 70", "retrieval 1.5 s of tasks"):
         assert needle in text, needle
     corpus.update(reused=True, sentences_embedded_this_run=0, method="exact", recall=None)
     assert "reused (0 sentences embedded" in summary_text(report) and "search exact" in summary_text(report)
