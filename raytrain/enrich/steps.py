@@ -116,8 +116,8 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Data
     ).dropDuplicates(["a_row_id", "b_row_id"]).toPandas()
     drops = udfs.near_duplicate_drops(pairs)
     bands, rows = lsh_params(threshold, NUM_PERM)
-    log.info("near_dedup: LSH %d bands x %d rows, %d verified pairs, %d rows in clusters to drop", bands, rows,
-             len(pairs), len(drops))
+    log.info("enrich: near-duplicates: %d pairs at estimated Jaccard >= %.2f (LSH %d bands x %d rows), %d rows to "
+             "drop (each cluster keeps its smallest uuid)", len(pairs), threshold, bands, rows, len(drops))
     near = spark.createDataFrame(drops, schema="row_id long, dup_detail string").select(
         "row_id", F.lit(udfs.NEAR_DUPLICATE).alias("dup_reason"), "dup_detail")
     return exact.unionByName(near)

@@ -6,7 +6,7 @@ modules next to this one (conversation, dedup, decontam, relevance, sentences) a
 
 The enrichment has two row passes, and the tables they produce are described once, here, as pyarrow schemas
 (steps.py hands them to Spark): ``PREPARED`` (``prepare_batch``: derive, license, exact-dedup key, MinHash
-signature and LSH band keys, eval n-gram count, for every input row) and ``FINISHED`` (``finish_batch``: the
+signature and LSH band keys, eval n-gram count, for every input row) and ``finished_schema()`` (``finish_batch``: the
 relevance selection, the corpus context, the tokenization with its token ids and loss mask, for the rows still
 kept; the others pass through with their quarantine reason). ``status`` is "ok" or the reason a row is
 quarantined; ``detail`` says why in words.
@@ -277,11 +277,11 @@ def tokenize_batch(pdf: pd.DataFrame, tokenizer_version: str, seq_len: int, leng
              input_ids=[] if dropped else tokenized.input_ids, loss_mask=[] if dropped else tokenized.loss_mask)
     out = pdf.copy()
     for k, values in cols.items():
-        out[k] = np.asarray(values, dtype=np.int64) if pa.types.is_int64(_TYPE_OF.get(k, pa.null())) else values
+        out[k] = np.asarray(values, dtype=np.int64) if k in _INT64_TOKEN_COLUMNS else values
     return out
 
 
-_TYPE_OF = {f.name: f.type for f in TOKENS}
+_INT64_TOKEN_COLUMNS = frozenset(f.name for f in TOKENS if pa.types.is_int64(f.type))
 
 
 # ---- pass 2: selection, corpus context, tokenization ----------------------------------------------------------------
