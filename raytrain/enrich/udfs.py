@@ -285,38 +285,74 @@ _INT64_TOKEN_COLUMNS = frozenset(f.name for f in TOKENS if pa.types.is_int64(f.t
 
 
 # ---- pass 2: selection, corpus context, tokenization ----------------------------------------------------------------
+def refused_before_context(pdf: pd.DataFrame, tokenize: dict[str, Any], select: dict[str, Any]) -> pd.DataFrame:
+    """The kept rows ``finish_batch`` can quarantine before selection, as ``tokenize_batch(**tokenize)`` returns
+    them: those whose conversation as it stands is already refused (too many tokens for the length policy, or
+    untokenizable), so that the relevance selection and the corpus retrieval never embed a row that cannot train.
+
+    Sound because neither step can rescue such a row: with ``enrich.system_prompt`` "keep" (the default) they only
+    add a context block to the last user turn: more prompt tokens, the same messages and roles. So a row over
+    ``seq_len`` stays over it (policy drop), a prompt that leaves no answer token inside ``seq_len`` stays so
+    (truncate), and a conversation the tokenizer refuses stays refused. With "select" the system prompt may shrink,
+    so nothing is decided early. Only rows whose ``messages_json`` is longer than ``seq_len`` characters are
+    tokenized here (a cheap filter: real Nemotron code and math rows run to 40-48 KB).
+    """
+    if select.get("system_prompt", "keep") != "keep" or tokenize.get("length_policy", "drop") == "split":
+        return pdf.iloc[:0]
+    long = pdf[pdf["messages_json"].str.len() > tokenize["seq_len"]]
+    if long.empty:
+        return long
+    tokenized = tokenize_batch(long, **tokenize)
+    refused = tokenized[tokenized["status"] != OK].copy()
+    refused["detail"] = refused["detail"] + " [before any context was added: selection and corpus skipped]"
+    return refused
+
+
 def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[str, Any],
                  corpus: dict[str, Any] | None = None, seconds: dict[str, float] | None = None) -> pd.DataFrame:
     """Rows of the finishing pass (PREPARED's row columns with the final dedup/decontamination verdict in
     ``status``) -> ``finished_schema(corpus is not None)`` rows in the same order.
 
     Rows with status "ok" go through ``select_batch(**select)``, ``corpus_udfs.corpus_context_batch(**corpus)``
-    (with a corpus) and ``tokenize_batch(**tokenize)``, which may still quarantine them; the others pass through
-    with their reason, empty text (the quarantine keeps uuid, split, category, reason and detail) and
-    ``num_tokens`` -1 (never tokenized)."""
+    (with a corpus) and ``tokenize_batch(**tokenize)``, which may still quarantine them; rows that
+    ``refused_before_context`` finds refused already are tokenized as they stand and quarantined without being
+    embedded (their token count and detail are the conversation's without a context block, and the detail says so).
+    The others pass through with their reason, empty text (the quarantine keeps uuid, split, category, reason and
+    detail) and ``num_tokens`` -1 (never tokenized)."""
     schema = finished_schema(corpus is not None)
     keep = (pdf["status"] == OK).to_numpy()
     parts = []
     if keep.any():
-        ok = select_batch(pdf[keep], **select)
-        if corpus is not None:
-            from raytrain.enrich.corpus_udfs import corpus_context_batch
+        refused = refused_before_context(pdf[keep], tokenize, select)
+        if len(refused):
+            parts.append(_with_defaults(refused, schema))
+        rest_ok = pdf[keep].drop(index=refused.index)
+        if len(rest_ok):
+            ok = select_batch(rest_ok, **select)
+            if corpus is not None:
+                from raytrain.enrich.corpus_udfs import corpus_context_batch
 
-            t0 = time.perf_counter()
-            ok = corpus_context_batch(ok, **corpus)
-            if seconds is not None:  # the corpus retrieval's share of the pass, for the report
-                seconds["corpus"] = seconds.get("corpus", 0.0) + time.perf_counter() - t0
-        parts.append(tokenize_batch(ok, **tokenize))
+                t0 = time.perf_counter()
+                ok = corpus_context_batch(ok, **corpus)
+                if seconds is not None:  # the corpus retrieval's share of the pass, for the report
+                    seconds["corpus"] = seconds.get("corpus", 0.0) + time.perf_counter() - t0
+            parts.append(tokenize_batch(ok, **tokenize))
     if not keep.all():
         rest = pdf[~keep][[n for n in schema.names if n in pdf.columns]].copy()
         rest[["context", "question", "answer", "messages_json"]] = ""
-        for name, values in _defaults(schema, len(rest)).items():
-            if name not in rest.columns:
-                rest[name] = values
+        rest = _with_defaults(rest, schema)
         rest["num_tokens"] = -1
         parts.append(rest)
     out = pd.concat(parts).loc[pdf.index] if parts else pdf.iloc[:0].reindex(columns=schema.names)
     return out[list(schema.names)]
+
+
+def _with_defaults(pdf: pd.DataFrame, schema: pa.Schema) -> pd.DataFrame:
+    """``pdf`` with every column of ``schema`` it lacks filled with empty values (_defaults)."""
+    for name, values in _defaults(schema, len(pdf)).items():
+        if name not in pdf.columns:
+            pdf[name] = values
+    return pdf
 
 
 def map_batches(fn, **kwargs):

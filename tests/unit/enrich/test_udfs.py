@@ -289,3 +289,41 @@ def test_finish_batch_runs_the_kept_rows_and_passes_the_others_through_in_order(
     assert len(kept["input_ids"]) == kept["num_tokens"] == len(kept["loss_mask"])
     assert passed["detail"] == "duplicate of z (same normalized text)" and passed["num_tokens"] == -1
     assert (passed["messages_json"], list(passed["input_ids"]), list(passed["kept_sentences"])) == ("", [], [])
+
+
+def test_finish_batch_quarantines_a_row_too_long_before_any_context_without_embedding_it(monkeypatch):
+    long_answer = "Paris is the capital of France. " * 60  # ~400 tokens
+    messages = [{"role": "system", "content": "Paris is the capital of France. Cats sleep a lot.", "tool_calls": []},
+                {"role": "user", "content": "What is the capital of France?", "tool_calls": []},
+                {"role": "assistant", "content": long_answer, "tool_calls": []}]
+    short = [*messages[:2], {"role": "assistant", "content": "Paris.", "tool_calls": []}]
+    rows = pd.concat([_work_row("long", messages, row_id=1), _work_row("short", short, row_id=2)], ignore_index=True)
+    select = {"model_path": "", "batch_size": 16, "top_k": 1, "min_score": 0.0, "question_weight": 0.5}
+    tokenize = {"tokenizer_version": "v3", "seq_len": 256}
+
+    embedded: list[list[str]] = []  # the uuids each selection call saw: the long row must not be among them
+    real_select = udfs.select_batch
+    monkeypatch.setattr(udfs, "select_batch", lambda pdf, **kw: embedded.append(pdf["uuid"].tolist())
+                        or real_select(pdf, **kw))
+    out = udfs.finish_batch(rows, select=select, tokenize=tokenize)
+    assert embedded == [["short"]]
+    assert out["uuid"].tolist() == ["long", "short"]
+    assert out["status"].tolist() == ["too_many_tokens", udfs.OK]
+    pa.Table.from_pandas(out, schema=udfs.finished_schema(False), preserve_index=False)
+    # the same verdict as tokenizing it without context: the count is the conversation's as it stands
+    alone = udfs.tokenize_batch(rows.iloc[:1], **tokenize)
+    assert out["num_tokens"][0] == alone["num_tokens"][0] > 256
+    assert out["detail"][0].startswith(alone["detail"][0]) and "before any context" in out["detail"][0]
+    assert list(out["kept_sentences"][0]) == [] and list(out["input_ids"][0]) == []
+
+    # and the full path (selection, then tokenization with the context block) reaches the same verdict for it
+    monkeypatch.setattr(udfs, "refused_before_context", lambda pdf, tokenize, select: pdf.iloc[:0])
+    full = udfs.finish_batch(rows, select=select, tokenize=tokenize)
+    assert full["status"].tolist() == out["status"].tolist()
+    assert full["num_tokens"][0] >= out["num_tokens"][0]
+    assert [list(x) for x in full["input_ids"]] == [list(x) for x in out["input_ids"]]
+
+    # "select" may shrink the system prompt: nothing is decided before selection then
+    embedded.clear()
+    udfs.finish_batch(rows, select={**select, "system_prompt": "select"}, tokenize=tokenize)
+    assert embedded == [["long", "short"]]
