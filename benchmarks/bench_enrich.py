@@ -1,16 +1,22 @@
 """The enrichment on RayDP against a single process doing the same steps, at two sizes of realistic rows: Spark
 jobs per enrichment, the fixed overhead, the marginal rows/s of both, peak memory. Prints figures; never asserts.
 
-    python benchmarks/bench_enrich.py [--sizes 2000 20000] [--executors 2] [--out /tmp/bench_enrich]
+    python benchmarks/bench_enrich.py [--sizes 2000 20000] [--executors 2] [--seq-len 4096] [--warmup-rows 100]
+                                      [--out /tmp/bench_enrich]
 
 Rows: the sample dataset at the dataset card's row lengths (``size_scale=1.0``: code ~48 KB, math ~37 KB, with
-``<think>`` traces), the same rows for both contenders; no context corpus (the corpus table is built once per
-corpus and reused, a separate cost: benchmarks/bench_corpus.py). Same cores: Spark gets ``--executors``
-executors of one core each; the single process gets as many torch threads. The contenders run one after the
-other, so both see the machine's load; read the load averages it prints.
+``<think>`` traces), the same rows for both contenders; the demo config with the 7B configs' ``dataset.seq_len``
+(4,096, length policy drop: most code and math rows are quarantined as too long, before they are embedded); no
+context corpus (the corpus table is built once per corpus and reused, a separate cost: benchmarks/bench_corpus.py).
+Same cores: Spark gets ``--executors`` executors of one core each; the single process gets as many torch threads.
+The contenders run one after the other, so both see the machine's load; read the load averages it prints.
 
-From the two sizes n1 < n2 with times t1, t2: marginal rows/s = (n2 - n1) / (t2 - t1), and the per-run constant
-t1 - n1 / marginal; "fixed overhead" adds Spark's start (once per job) to that constant. Spark jobs are counted
+Each contender first enriches ``--warmup-rows`` rows, then the two sizes n1 < n2 with times t1, t2: marginal
+rows/s = (n2 - n1) / (t2 - t1), the per-run constant t1 - n1 / marginal, and the first run's warm-up (Python
+workers, imports, the model in each worker: what the first enrichment of a Spark session pays once) the warm-up
+run's time less its rows at the marginal rate and the constant. Without the warm-up run that cost would sit in t1
+alone and flatter the slope. "fixed overhead" is what one enrichment job pays besides its rows: Spark's start, the
+warm-up and the per-run constant. Spark jobs are counted
 by Spark's status tracker (the enrichment runs in a job group). Peak memory: resident set sizes sampled every
 0.5 s and summed per side: the driver (this Python process and the Spark driver JVM it starts) and the executors
 (RayDP's executor JVMs and the Python workers they start).
@@ -69,6 +75,21 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     index = build_eval_index(eval_texts, cfg.decontam_ngram)
     examples = [e for e in examples if not any(int(h) in index for h in ngram_hashes(e.full_text(), cfg.decontam_ngram))]
     kept = 0
+    ds = job.dataset
+
+    def tokenized_or_none(messages: list[dict]):
+        try:
+            fitted = fit_tool_call_turns(messages, ds.tokenizer, ds.text_with_tool_calls)
+            return tokenize_conversation(fitted.messages, tokenizer, verify=False)
+        except (RaytrainError, ValueError):
+            return None
+
+    def refused(tokenized) -> bool:
+        return tokenized is None or decide_length(tokenized.loss_mask, ds.seq_len, ds.length_policy).action == "drop"
+
+    # as udfs.refused_before_context: a row refused as it stands (context only adds tokens) is never embedded
+    examples = [e for e in examples if len(json.dumps(list(e.messages), ensure_ascii=False)) <= ds.seq_len
+                or not refused(tokenized_or_none(list(e.messages)))]
     for start in range(0, len(examples), 256):  # the same 256-row batches Spark's Arrow batches have
         batch = examples[start : start + 256]
         contexts = [candidate_sentences(e.messages).all for e in batch]  # enrich.system_prompt=keep
@@ -77,13 +98,7 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
                            batch_size=cfg.embed_batch_size, top_k=cfg.top_k, threshold=cfg.min_score,
                            question_weight=cfg.question_weight)
         for e, sents, sel in zip(batch, contexts, sels, strict=True):
-            messages = with_context_block(list(e.messages), sel.kept(sents))
-            try:
-                fitted = fit_tool_call_turns(messages, job.dataset.tokenizer, job.dataset.text_with_tool_calls)
-                tokenized = tokenize_conversation(fitted.messages, tokenizer, verify=False)
-            except (RaytrainError, ValueError):
-                continue
-            kept += decide_length(tokenized.loss_mask, job.dataset.seq_len, job.dataset.length_policy).action != "drop"
+            kept += not refused(tokenized_or_none(with_context_block(list(e.messages), sel.kept(sents))))
     return {"seconds": time.perf_counter() - t0, "rows_out": kept}
 
 
@@ -137,6 +152,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs=2, default=[2000, 20000], help="rows of the two enrichments")
     parser.add_argument("--executors", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=4096, help="dataset.seq_len (the 7B configs' value)")
+    parser.add_argument("--warmup-rows", type=int, default=100, help="rows of the first run (at least 100: 20 per split)")
     parser.add_argument("--out", default="/tmp/bench_enrich")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
@@ -156,11 +173,12 @@ def main() -> int:
     from raytrain.storage import resolve
 
     sizes = sorted(args.sizes)
+    runs = [args.warmup_rows, *sizes]
     samples = {n: write_sample_dataset(os.path.join(args.out, f"sample-{n}"), rows_per_split=n // SPLITS,
-                                       size_scale=1.0) for n in sizes}
+                                       size_scale=1.0) for n in runs}
     job = load_job_config(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml"), [
         f"storage.root={args.out}/runs", f"enrich.num_executors={args.executors}", "enrich.executor_cores=1",
-        f"enrich.num_partitions={4 * args.executors}", "enrich.context_corpus=[]"])
+        f"enrich.num_partitions={4 * args.executors}", "enrich.context_corpus=[]", f"dataset.seq_len={args.seq_len}"])
     figures: dict = {"cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg(), "spark": {}, "single": {}}
 
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
@@ -170,7 +188,7 @@ def main() -> int:
             with spark_session(job.enrich, app_name="bench-enrich") as spark:
                 figures["spark_start_s"] = time.perf_counter() - t0
                 sc = spark.sparkContext
-                for n in sizes:
+                for n in runs:
                     group = f"enrich-{n}"
                     sc.setJobGroup(group, group)
                     t0 = time.perf_counter()
@@ -180,6 +198,7 @@ def main() -> int:
                     seconds = time.perf_counter() - t0
                     figures["spark"][n] = {"seconds": seconds, "rows_in": report["rows_in"],
                                            "rows_out": report["rows_out"], "passes": report["passes"],
+                                           "steps": report.get("steps"),
                                            "jobs": len(sc.statusTracker().getJobIdsForGroup(group))}
                     print(f"spark {n} rows: {seconds:.1f} s, passes {report['passes']}, "
                           f"{figures['spark'][n]['jobs']} jobs", flush=True)
@@ -189,7 +208,7 @@ def main() -> int:
     figures["load_avg_after_spark"] = os.getloadavg()
 
     torch.set_num_threads(args.executors)  # the cores Spark's executors had
-    for n in sizes:
+    for n in runs:
         sample = samples[n]
         rows = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
         base = baseline_enrich(rows, job, load_eval_sets([sample.eval_path]))
@@ -203,15 +222,19 @@ def main() -> int:
     spark_rate = (sp[n2]["rows_in"] - sp[n1]["rows_in"]) / (sp[n2]["seconds"] - sp[n1]["seconds"])
     single_rate = (one[n2]["rows_in"] - one[n1]["rows_in"]) / (one[n2]["seconds"] - one[n1]["seconds"])
     constant = sp[n1]["seconds"] - sp[n1]["rows_in"] / spark_rate
+    warm = sp[args.warmup_rows]
+    warmup = warm["seconds"] - warm["rows_in"] / spark_rate - constant
     gib = 2**30
     print(f"\n{os.cpu_count()} cores, 1-min load average {figures['load_avg_start'][0]:.1f} (start) / "
           f"{figures['load_avg_after_spark'][0]:.1f} (after Spark) / {figures['load_avg_end'][0]:.1f} (end); "
-          f"rows {n1} and {n2}; Spark start {figures['spark_start_s']:.1f} s, per-run constant {constant:.1f} s; "
+          f"rows {n1} and {n2}, seq_len {args.seq_len}; Spark start {figures['spark_start_s']:.1f} s, first-run "
+          f"warm-up {warmup:.1f} s ({warm['rows_in']} rows in {warm['seconds']:.1f} s), per-run constant "
+          f"{constant:.1f} s; "
           f"rows kept: spark {sp[n1]['rows_out']}/{sp[n2]['rows_out']}, single {one[n1]['rows_out']}/"
           f"{one[n2]['rows_out']}")
     print(f"passes at {n2} rows: " + ", ".join(f"{k} {v:.1f} s" for k, v in sp[n2]["passes"].items()))
     print(f"spark jobs per enrichment: {sp[n2]['jobs']}")
-    print(f"fixed overhead: {figures['spark_start_s'] + constant:.1f} s")
+    print(f"fixed overhead: {figures['spark_start_s'] + warmup + constant:.1f} s")
     print(f"marginal rows/s: spark {spark_rate:.1f}, single process {single_rate:.1f}, "
           f"ratio {spark_rate / single_rate:.2f}")
     print(f"peak memory: driver {figures['peak_memory_bytes']['driver'] / gib:.2f} GiB, "
