@@ -60,7 +60,7 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from pydantic import ValidationError
 
 from raytrain.config import TEXT_WITH_TOOL_CALLS_POLICIES
-from raytrain.enrich.schema import ROLES
+from raytrain.dataset.conversation_rules import ROLES
 from raytrain.errors import RaytrainError
 
 TOKENIZER_FILES: dict[str, str] = {

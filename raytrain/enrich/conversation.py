@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain.enrich.schema import ROLES
+from raytrain.dataset.conversation_rules import ROLES
 
 # Quarantine reasons: a fixed vocabulary so reports can count them.
 MISSING_UUID = "missing_uuid"
