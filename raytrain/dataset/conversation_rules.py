@@ -135,5 +135,6 @@ def check_conversation(messages: Sequence[Any]) -> None:
         content = message.get("content")
         if message["role"] == "assistant" and not (content and content.strip()) and not message.get("tool_calls"):
             raise ConversationError(
-                EMPTY_ANSWER, f"{where(index, 'assistant')}: assistant turn has neither text nor tool_calls."
+                EMPTY_ANSWER, f"{where(index, 'assistant')}: assistant turn has neither text (white space does not "
+                "count) nor tool_calls."
             )

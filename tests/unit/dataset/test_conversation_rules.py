@@ -43,10 +43,10 @@ CALL = {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather
         ([m("user", "q"), m("assistant", "a"), m("user", "again")], EMPTY_ANSWER, 2, "user", "end with an assistant"),
         ([m("user", "q"), m("assistant", "", [CALL]), m("tool", "x")], EMPTY_ANSWER, 2, "tool",
          "end with an assistant"),
-        ([m("user", "q"), m("assistant", " \n ")], EMPTY_ANSWER, 1, "assistant", "neither text nor tool_calls"),
-        ([m("user", "q"), m("assistant", None)], EMPTY_ANSWER, 1, "assistant", "neither text nor tool_calls"),
+        ([m("user", "q"), m("assistant", " \n ")], EMPTY_ANSWER, 1, "assistant", "neither text"),
+        ([m("user", "q"), m("assistant", None)], EMPTY_ANSWER, 1, "assistant", "neither text"),
         ([m("user", "q"), m("assistant", ""), m("user", "q2"), m("assistant", "b")], EMPTY_ANSWER, 1, "assistant",
-         "neither text nor tool_calls"),
+         "neither text"),
     ],
 )
 def test_each_rule_gives_its_reason_and_names_the_message(conversation, reason, index, role, says):

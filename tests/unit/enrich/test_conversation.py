@@ -5,6 +5,7 @@ import pickle
 import pyarrow as pa
 import pytest
 
+from raytrain.dataset.conversation_rules import ConversationError, check_conversation
 from raytrain.enrich.conversation import (
     BAD_ROLE,
     EMPTY_ANSWER,
@@ -93,6 +94,9 @@ def test_rows_from_pandas_numpy_arrays_give_the_same_example():
         (_row([_m("user", "q"), _m("assistant", " \n ")]), EMPTY_ANSWER),
         (_row([_m("user", "q")]), EMPTY_ANSWER),
         (_row([_m("user", "q"), _m("assistant", "", [CALL]), _m("tool", "x")]), EMPTY_ANSWER),
+        (_row([_m("user", "q"), _m("assistant", ""), _m("user", "q2"), _m("assistant", "a")]), EMPTY_ANSWER),
+        (_row([_m("user", "q", [CALL]), _m("assistant", "a")]), BAD_ROLE),
+        (_row([_m("user", "q"), _m("assistant", "a"), _m("tool", "x"), _m("assistant", "b")]), BAD_ROLE),
         (_row([_m("user", "q"), _m("assistant", "a" * 101)]), TOO_LONG),
     ],
 )
@@ -101,6 +105,22 @@ def test_quarantine_reasons(row, reason):
     assert isinstance(out, Quarantined)
     assert out.reason == reason and out.reason in QUARANTINE_REASONS
     assert out.detail
+
+
+def test_conversation_rules_quarantine_with_their_reason_and_message():
+    # the tokenizer's rules (raytrain.dataset.conversation_rules): tool calls on a user turn are a bad_role here
+    messages = [_m("system", "s"), _m("user", "q", [CALL]), _m("assistant", "a")]
+    with pytest.raises(ConversationError) as caught:
+        check_conversation(messages)
+    out = derive_example(_row(messages))
+    assert out == Quarantined("u-1", BAD_ROLE, str(caught.value))
+    assert out.detail.startswith("message 1 (role 'user'): only assistant messages may carry tool_calls")
+
+
+def test_roles_are_checked_before_text():
+    # a row with an unknown role and undecodable text is a bad_role: the structure is the root cause
+    out = derive_example(_row([_m("user", "q\ufffd"), _m("narrator", "a")]))
+    assert (out.reason, out.detail.split(":")[0]) == (BAD_ROLE, "message 1 (role 'narrator')")
 
 
 def test_tabs_newlines_and_exact_max_chars_are_fine():
