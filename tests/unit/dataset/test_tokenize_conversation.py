@@ -11,6 +11,7 @@ from mistral_common.protocol.instruct.tool_calls import FunctionCall, ToolCall
 from mistral_common.protocol.instruct.validator import ValidationMode
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
+from raytrain.dataset.conversation_rules import BAD_ROLE, ConversationError, check_conversation
 from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
 
@@ -204,6 +205,12 @@ def test_v1_renders_tool_turns_as_text():
             r"message 1 \(role 'assistant'\).*both",
         ),
         ([msg("user", "hi"), msg("tool", "42"), msg("assistant", "ok")], r"message 1 \(role 'tool'\)"),
+        ([msg("user", "hi"), msg("assistant", "ok"), msg("tool", "42"), msg("assistant", "ok")],
+         r"message 2 \(role 'tool'\).*must follow an assistant tool call"),
+        ([msg("user", "hi"), msg("system", "late"), msg("assistant", "ok")], r"message 1 \(role 'system'\)"),
+        ([msg("assistant", "hello"), msg("user", "hi"), msg("assistant", "ok")], r"message 0 \(role 'assistant'\)"),
+        ([msg("user", "hi", [{"id": "abcDEF123", "function": {"name": "f"}}]), msg("assistant", "ok")],
+         r"message 0 \(role 'user'\).*only assistant"),
         (
             [
                 msg("user", "hi"),
@@ -220,6 +227,17 @@ def test_v1_renders_tool_turns_as_text():
 def test_invalid_conversations_name_the_message(conversation, pattern):
     with pytest.raises(RaytrainError, match=pattern):
         tokenize_conversation(conversation, load_tokenizer("v3"))
+
+
+def test_shared_rules_reject_with_their_reason_and_message():
+    conversation = [msg("user", "hi", [{"id": "abcDEF123", "function": {"name": "f"}}]), msg("assistant", "ok")]
+    with pytest.raises(ConversationError) as shared:
+        check_conversation(conversation)
+    for version in ("v1", "v3"):
+        with pytest.raises(ConversationError) as caught:
+            tokenize_conversation(conversation, load_tokenizer(version))
+        assert (caught.value.reason, str(caught.value)) == (BAD_ROLE, str(shared.value))
+        assert str(caught.value).startswith("message 0 (role 'user'): ")
 
 
 def think_then_call_conversation(call_id: str) -> list[dict]:
