@@ -104,14 +104,14 @@ def check_conversation(messages: Sequence[Any]) -> None:
     for index, message in enumerate(messages):
         role, content = message["role"], message.get("content")
         if content is not None and not isinstance(content, str):
-            raise ConversationError(
-                UNDECODABLE_TEXT, f"{where(index, role)}: content must be a string or None, got {type(content).__name__}."
-            )
+            raise ConversationError(UNDECODABLE_TEXT, f"{where(index, role)}: content must be a string or None, got "
+                                                      f"{type(content).__name__}.")
         if _tool_calls(message, index) and role != "assistant":
             raise ConversationError(BAD_ROLE, f"{where(index, role)}: only assistant messages may carry tool_calls.")
         if role == "system":
             if seen_other:
-                raise ConversationError(BAD_ROLE, f"{where(index, role)}: a system turn after the conversation started.")
+                raise ConversationError(BAD_ROLE, f"{where(index, role)}: a system turn after the conversation "
+                                                  "started.")
             continue
         seen_other = True
         if role == "user":

@@ -104,7 +104,8 @@ def _text(value: Any, where: str) -> str:
         try:
             value = value.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConversationError(UNDECODABLE_TEXT, f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+            raise ConversationError(UNDECODABLE_TEXT,
+                                    f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     if not isinstance(value, str):
         raise ConversationError(UNDECODABLE_TEXT, f"{where} is a {type(value).__name__}, not text")
     bad = _BAD_TEXT.search(value)
