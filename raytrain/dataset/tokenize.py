@@ -60,7 +60,7 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from pydantic import ValidationError
 
 from raytrain.config import TEXT_WITH_TOOL_CALLS_POLICIES
-from raytrain.enrich.schema import ROLES
+from raytrain.dataset.conversation_rules import check_conversation, where
 from raytrain.errors import RaytrainError
 
 TOKENIZER_FILES: dict[str, str] = {
@@ -162,53 +162,22 @@ def fit_tool_call_turns(messages: Sequence[dict[str, Any]], version: str, policy
     return FittedConversation(fitted, turns, chars)
 
 
-def _where(index: int, role: object) -> str:
-    return f"message {index} (role {role!r})"
-
-
 def _check_conversation(messages: Sequence[dict[str, Any]], text_tools: bool = False) -> None:
-    """Reject malformed conversations with a message naming the offending message index and role.
+    """The shared conversation rules (raytrain.dataset.conversation_rules, raising its ConversationError), then
+    v3's own: an assistant turn carries text or tool calls, not both.
 
     ``text_tools``: tool calls are rendered as text (v1), so an assistant turn may carry text and calls."""
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or len(messages) == 0:
-        raise RaytrainError("conversation must be a non-empty list of message dicts.")
+    check_conversation(messages)
+    if text_tools:
+        return
     for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RaytrainError(f"message {index} is a {type(message).__name__}, expected a dict with 'role'.")
-        role = message.get("role")
-        if role not in ROLES:
-            raise RaytrainError(f"{_where(index, role)}: role must be one of {list(ROLES)}.")
         content = message.get("content")
-        if content is not None and not isinstance(content, str):
+        if message["role"] == "assistant" and message.get("tool_calls") and content and content.strip():
             raise RaytrainError(
-                f"{_where(index, role)}: content must be a string or None, got {type(content).__name__}."
+                f"{where(index, 'assistant')}: has both text content and tool_calls; the v3 format allows one "
+                "or the other. Fix: dataset.text_with_tool_calls=drop_text (fit_tool_call_turns), or drop "
+                "the text upstream."
             )
-        tool_calls = message.get("tool_calls")
-        if tool_calls and role != "assistant":
-            raise RaytrainError(f"{_where(index, role)}: only assistant messages may carry tool_calls.")
-        if role == "assistant":
-            has_text = bool(content and content.strip())
-            if tool_calls and has_text and not text_tools:
-                raise RaytrainError(
-                    f"{_where(index, role)}: has both text content and tool_calls; the v3 format allows one "
-                    "or the other. Fix: dataset.text_with_tool_calls=drop_text (fit_tool_call_turns), or drop "
-                    "the text upstream."
-                )
-            if not tool_calls and not has_text:
-                raise RaytrainError(f"{_where(index, role)}: assistant message has neither content nor tool_calls.")
-            for call_index, call in enumerate(tool_calls or []):
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                    raise RaytrainError(
-                        f"{_where(index, role)}: tool_calls[{call_index}] needs a 'function' dict with a 'name'."
-                    )
-        if role == "tool" and (index == 0 or messages[index - 1].get("role") not in ("assistant", "tool")):
-            raise RaytrainError(f"{_where(index, role)}: a tool result must follow an assistant tool call.")
-    last_role = messages[-1].get("role")
-    if last_role != "assistant":
-        raise RaytrainError(
-            f"{_where(len(messages) - 1, last_role)}: a training conversation must end with an assistant turn."
-        )
 
 
 def _v3_call_id(raw_id: object, message_index: int, call_index: int) -> str:
@@ -252,7 +221,7 @@ def _to_mistral_messages(messages: Sequence[dict[str, Any]], version: TokenizerV
                     name = call["function"]["name"]
                     if not text_tools and not _TOOL_NAME.match(name):
                         raise RaytrainError(
-                            f"{_where(index, role)}: tool name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$ for v3."
+                            f"{where(index, role)}: tool name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$ for v3."
                         )
                     calls.append(
                         ToolCall(
@@ -286,7 +255,7 @@ def _to_mistral_messages(messages: Sequence[dict[str, Any]], version: TokenizerV
                     call_id = pending_call_ids.popleft()
                 else:
                     raise RaytrainError(
-                        f"{_where(index, role)}: answers no pending tool call (more tool results than calls, "
+                        f"{where(index, role)}: answers no pending tool call (more tool results than calls, "
                         "and no tool_call_id)."
                     )
                 if text_tools:
@@ -297,7 +266,7 @@ def _to_mistral_messages(messages: Sequence[dict[str, Any]], version: TokenizerV
                 else:
                     converted.append(ToolMessage(content=content, tool_call_id=call_id, name=message.get("name")))
         except ValidationError as exc:
-            raise RaytrainError(f"{_where(index, role)}: not a valid mistral-common message: {exc}") from exc
+            raise RaytrainError(f"{where(index, role)}: not a valid mistral-common message: {exc}") from exc
     return converted
 
 
@@ -316,7 +285,8 @@ def tokenize_conversation(
     ``tokenizer`` comes from ``load_tokenizer`` (v1 or v3, SentencePiece). With ``verify`` (default) the
     result is checked token for token against ``tokenizer.encode_chat_completion`` of the whole
     conversation; a mismatch is a bug here and raises AssertionError. Raises RaytrainError naming the
-    message index and role for conversations Mistral's finetuning rules reject.
+    message index and role for conversations the shared rules (dataset.conversation_rules: a ConversationError
+    with its quarantine reason), v3's own rules or Mistral's finetuning rules reject.
     """
     version = tokenizer.instruct_tokenizer.tokenizer.version
     if version not in (TokenizerVersion.v1, TokenizerVersion.v3):

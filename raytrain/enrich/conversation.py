@@ -15,14 +15,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain.enrich.schema import ROLES
+from raytrain.dataset.conversation_rules import (
+    BAD_ROLE,
+    EMPTY_ANSWER,
+    MISSING_MESSAGES,
+    UNDECODABLE_TEXT,
+    ConversationError,
+    check_conversation,
+    check_roles,
+)
 
-# Quarantine reasons: a fixed vocabulary so reports can count them.
+# Quarantine reasons: a fixed vocabulary so reports can count them (the conversation rules' own four are
+# defined with the rules, in raytrain.dataset.conversation_rules).
 MISSING_UUID = "missing_uuid"
-MISSING_MESSAGES = "missing_messages"
-BAD_ROLE = "bad_role"
-UNDECODABLE_TEXT = "undecodable_text"
-EMPTY_ANSWER = "empty_answer"
 TOO_LONG = "too_long"
 QUARANTINE_REASONS: tuple[str, ...] = (
     MISSING_UUID, MISSING_MESSAGES, BAD_ROLE, UNDECODABLE_TEXT, EMPTY_ANSWER, TOO_LONG,
@@ -76,14 +81,6 @@ class Quarantined:
     """Human-readable specifics: which message, which character, how long."""
 
 
-
-class _Reject(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
 def _is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
@@ -107,12 +104,13 @@ def _text(value: Any, where: str) -> str:
         try:
             value = value.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise _Reject(UNDECODABLE_TEXT, f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+            raise ConversationError(UNDECODABLE_TEXT,
+                                    f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     if not isinstance(value, str):
-        raise _Reject(UNDECODABLE_TEXT, f"{where} is a {type(value).__name__}, not text")
+        raise ConversationError(UNDECODABLE_TEXT, f"{where} is a {type(value).__name__}, not text")
     bad = _BAD_TEXT.search(value)
     if bad:
-        raise _Reject(UNDECODABLE_TEXT, f"{where} contains U+{ord(bad.group()):04X} at offset {bad.start()}")
+        raise ConversationError(UNDECODABLE_TEXT, f"{where} contains U+{ord(bad.group()):04X} at offset {bad.start()}")
     return value
 
 
@@ -121,11 +119,11 @@ def _normalize_tool_calls(value: Any, where: str) -> list[dict]:
     if calls is None:
         if _is_missing(value):
             return []
-        raise _Reject(BAD_ROLE, f"{where}.tool_calls is a {type(value).__name__}, not a list")
+        raise ConversationError(BAD_ROLE, f"{where}.tool_calls is a {type(value).__name__}, not a list")
     out = []
     for j, call in enumerate(calls):
         if not isinstance(call, Mapping):
-            raise _Reject(BAD_ROLE, f"{where}.tool_calls[{j}] is not a mapping")
+            raise ConversationError(BAD_ROLE, f"{where}.tool_calls[{j}] is not a mapping")
         fn = call.get("function")
         fn = fn if isinstance(fn, Mapping) else {}
         args = fn.get("arguments")
@@ -158,17 +156,8 @@ def render_message_text(message: dict) -> str:
     return "\n".join(parts)
 
 
-def _check_roles(raw: list) -> None:
-    for i, m in enumerate(raw):
-        if not isinstance(m, Mapping):
-            raise _Reject(BAD_ROLE, f"messages[{i}] is a {type(m).__name__}, not a {{role, content}} mapping")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise _Reject(BAD_ROLE, f"messages[{i}].role is {m.get('role')!r}; expected one of {list(ROLES)}")
-
-
 def _normalize_messages(raw: list) -> list[dict]:
-    """Roles already checked by _check_roles; content and tool calls made uniform (see Example.messages)."""
+    """Roles already checked by check_roles; content and tool calls made uniform (see Example.messages)."""
     messages = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
@@ -182,30 +171,14 @@ def _normalize_messages(raw: list) -> list[dict]:
     return messages
 
 
-def _check_order(messages: list[dict]) -> None:
-    """System turns only lead; the first other turn is a user turn; a tool turn answers an assistant tool call."""
-    seen_user = False
-    for i, m in enumerate(messages):
-        role = m["role"]
-        if role == "system":
-            if any(p["role"] != "system" for p in messages[:i]):
-                raise _Reject(BAD_ROLE, f"messages[{i}] is a system turn after the conversation started")
-        elif role == "user":
-            seen_user = True
-        elif not seen_user:
-            raise _Reject(BAD_ROLE, f"messages[{i}] (role {role}) comes before any user turn")
-        elif role == "tool":
-            prev = messages[i - 1]
-            if prev["role"] != "tool" and not (prev["role"] == "assistant" and prev["tool_calls"]):
-                raise _Reject(BAD_ROLE, f"messages[{i}] is a tool turn not following an assistant tool call")
-
-
 def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS) -> Example | Quarantined:
     """Turn one raw row (uuid, license, category, reasoning, messages, ...) into an Example or a Quarantined.
 
-    Checks, in order: missing_uuid, missing_messages, bad_role (unknown role, malformed message, wrong order),
-    undecodable_text, empty_answer (no final assistant turn, or one with neither text nor tool calls),
-    too_long (all message text and tool-call arguments together above ``max_chars`` characters).
+    Checks, in order: missing_uuid, missing_messages, bad_role (unknown role or malformed message),
+    undecodable_text, then the conversation rules the tokenizer applies too (raytrain.dataset.conversation_rules:
+    bad_role for wrong order, a misplaced tool turn or tool calls off an assistant turn; empty_answer for no final
+    assistant turn, or an assistant turn with neither text nor tool calls), then too_long (all message text and
+    tool-call arguments together above ``max_chars`` characters).
     """
     uuid = row.get("uuid")
     if _is_missing(uuid) or not isinstance(uuid, str) or not uuid.strip():
@@ -222,19 +195,14 @@ def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS
         return Quarantined(uuid, MISSING_MESSAGES, f"messages is {_short_repr(row.get('messages'))}")
     try:
         # bad_role before undecodable_text: a role check needs no text, and wrong structure is the root cause
-        _check_roles(raw)
+        check_roles(raw)
         messages = _normalize_messages(raw)
-        _check_order(messages)
-        last = messages[-1]
-        if last["role"] != "assistant":
-            raise _Reject(EMPTY_ANSWER, f"conversation ends with a turn of role {last['role']}, not an assistant turn")
-        if not last["content"].strip() and not last["tool_calls"]:
-            raise _Reject(EMPTY_ANSWER, f"final assistant turn messages[{len(messages) - 1}] is empty")
+        check_conversation(messages)  # the rules the tokenizer checks too: order, tool turns, the final turn
         num_chars = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m["tool_calls"])
                         for m in messages)
         if num_chars > max_chars:
-            raise _Reject(TOO_LONG, f"{num_chars} characters > max_chars={max_chars}")
-    except _Reject as r:
+            raise ConversationError(TOO_LONG, f"{num_chars} characters > max_chars={max_chars}")
+    except ConversationError as r:
         return Quarantined(uuid, r.reason, r.detail)
 
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")

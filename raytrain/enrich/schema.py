@@ -1,5 +1,6 @@
-"""The Arrow schema of the raw Nemotron-Post-Training-Dataset-v1 rows the enrichment reads, and the dataset's message
-roles (the tables the enrichment writes are described in raytrain.enrich.udfs).
+"""The Arrow schema of the raw Nemotron-Post-Training-Dataset-v1 rows the enrichment reads (the tables the enrichment
+writes are described in raytrain.enrich.udfs; the message roles and the conversation rules in
+raytrain.dataset.conversation_rules).
 
 Pure pyarrow; no Spark. ``validate_schema`` runs on each input file's schema before any row is read, so a file
 in the wrong shape fails with its path and the offending column instead of deep inside a Spark task.
@@ -11,9 +12,6 @@ import numpy as np
 import pyarrow as pa
 
 from raytrain.errors import RaytrainError
-
-ROLES = ("system", "user", "assistant", "tool")
-"""The message roles of the dataset (and of the conversations the tokenizer takes)."""
 
 TOOL_CALL_TYPE = pa.struct(
     [

@@ -11,6 +11,7 @@ from mistral_common.protocol.instruct.tool_calls import FunctionCall, ToolCall
 from mistral_common.protocol.instruct.validator import ValidationMode
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
+from raytrain.dataset.conversation_rules import BAD_ROLE, ConversationError, check_conversation
 from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
 
@@ -196,14 +197,10 @@ def test_v1_renders_tool_turns_as_text():
 @pytest.mark.parametrize(
     ("conversation", "pattern"),
     [
-        ([msg("user", "hi"), msg("robot", "beep")], r"message 1 \(role 'robot'\)"),
-        ([msg("user", "hi"), msg("assistant", "ok"), msg("user", "bye")], r"message 2 \(role 'user'\).*end with"),
-        ([msg("user", "hi"), msg("assistant", "")], r"message 1 \(role 'assistant'\).*neither"),
         (
             [msg("user", "hi"), msg("assistant", "sure", [{"id": "abcDEF123", "function": {"name": "f"}}])],
             r"message 1 \(role 'assistant'\).*both",
         ),
-        ([msg("user", "hi"), msg("tool", "42"), msg("assistant", "ok")], r"message 1 \(role 'tool'\)"),
         (
             [
                 msg("user", "hi"),
@@ -214,12 +211,27 @@ def test_v1_renders_tool_turns_as_text():
             ],
             r"message 3 \(role 'tool'\).*no pending tool call",
         ),
-        ([], "non-empty"),
+        (
+            [msg("user", "hi"), msg("assistant", None, [{"id": "abcDEF123", "function": {"name": "get weather"}}])],
+            r"message 1 \(role 'assistant'\): tool name 'get weather' must match",
+        ),
     ],
 )
-def test_invalid_conversations_name_the_message(conversation, pattern):
+def test_tokenizer_rules_name_the_message(conversation, pattern):
+    # the rules on top of the shared ones (dataset.conversation_rules, tested on their own): v3's, and pairing
     with pytest.raises(RaytrainError, match=pattern):
         tokenize_conversation(conversation, load_tokenizer("v3"))
+
+
+def test_shared_rules_reject_with_their_reason_and_message():
+    conversation = [msg("user", "hi", [{"id": "abcDEF123", "function": {"name": "f"}}]), msg("assistant", "ok")]
+    with pytest.raises(ConversationError) as shared:
+        check_conversation(conversation)
+    for version in ("v1", "v3"):
+        with pytest.raises(ConversationError) as caught:
+            tokenize_conversation(conversation, load_tokenizer(version))
+        assert (caught.value.reason, str(caught.value)) == (BAD_ROLE, str(shared.value))
+        assert str(caught.value).startswith("message 0 (role 'user'): ")
 
 
 def think_then_call_conversation(call_id: str) -> list[dict]:

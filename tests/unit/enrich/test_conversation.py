@@ -5,6 +5,7 @@ import pickle
 import pyarrow as pa
 import pytest
 
+from raytrain.dataset.conversation_rules import ConversationError, check_conversation
 from raytrain.enrich.conversation import (
     BAD_ROLE,
     EMPTY_ANSWER,
@@ -101,6 +102,22 @@ def test_quarantine_reasons(row, reason):
     assert isinstance(out, Quarantined)
     assert out.reason == reason and out.reason in QUARANTINE_REASONS
     assert out.detail
+
+
+def test_conversation_rules_quarantine_with_their_reason_and_message():
+    # the tokenizer's rules (raytrain.dataset.conversation_rules): tool calls on a user turn are a bad_role here
+    messages = [_m("system", "s"), _m("user", "q", [CALL]), _m("assistant", "a")]
+    with pytest.raises(ConversationError) as caught:
+        check_conversation(messages)
+    out = derive_example(_row(messages))
+    assert out == Quarantined("u-1", BAD_ROLE, str(caught.value))
+    assert out.detail.startswith("message 1 (role 'user'): only assistant messages may carry tool_calls")
+
+
+def test_roles_are_checked_before_text():
+    # a row with an unknown role and undecodable text is a bad_role: the structure is the root cause
+    out = derive_example(_row([_m("user", "q\ufffd"), _m("narrator", "a")]))
+    assert (out.reason, out.detail.split(":")[0]) == (BAD_ROLE, "message 1 (role 'narrator')")
 
 
 def test_tabs_newlines_and_exact_max_chars_are_fine():
