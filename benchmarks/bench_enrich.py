@@ -1,8 +1,8 @@
 """The enrichment on RayDP against a single process doing the same steps, at two sizes of realistic rows: Spark
 jobs per enrichment, the fixed overhead, the marginal rows/s of both, peak memory. Prints figures; never asserts.
 
-    python benchmarks/bench_enrich.py [--sizes 2000 20000] [--executors 2] [--seq-len 4096] [--warmup-rows 100]
-                                      [--out /tmp/bench_enrich]
+    python benchmarks/bench_enrich.py [--sizes 2000 20000] [--single-sizes N1 N2] [--executors 2] [--seq-len 4096]
+                                      [--warmup-rows 100] [--out /tmp/bench_enrich]
 
 Rows: the sample dataset at the dataset card's row lengths (``size_scale=1.0``: code ~48 KB, math ~37 KB, with
 ``<think>`` traces), the same rows for both contenders; the demo config with the 7B configs' ``dataset.seq_len``
@@ -16,7 +16,9 @@ rows/s = (n2 - n1) / (t2 - t1), the per-run constant t1 - n1 / marginal, and the
 workers, imports, the model in each worker: what the first enrichment of a Spark session pays once) the warm-up
 run's time less its rows at the marginal rate and the constant. Without the warm-up run that cost would sit in t1
 alone and flatter the slope. "fixed overhead" is what one enrichment job pays besides its rows: Spark's start, the
-warm-up and the per-run constant. Spark jobs are counted
+warm-up and the per-run constant. ``--single-sizes`` (default: ``--sizes``) lets the single process, whose cost is
+per row, take its slope from smaller samples of the same generator when the large size would take too long twice
+(the scale run: ``--sizes 2000 20000 --single-sizes 400 2000``). Spark jobs are counted
 by Spark's status tracker (the enrichment runs in a job group). Peak memory: resident set sizes sampled every
 0.5 s and summed per side: the driver (this Python process and the Spark driver JVM it starts) and the executors
 (RayDP's executor JVMs and the Python workers they start).
@@ -151,6 +153,8 @@ class MemorySampler:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs=2, default=[2000, 20000], help="rows of the two enrichments")
+    parser.add_argument("--single-sizes", type=int, nargs=2, default=None,
+                        help="rows of the single process's two runs (default: --sizes)")
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=4096, help="dataset.seq_len (the 7B configs' value)")
     parser.add_argument("--warmup-rows", type=int, default=100, help="rows of the first run (at least 100: 20 per split)")
@@ -173,9 +177,10 @@ def main() -> int:
     from raytrain.storage import resolve
 
     sizes = sorted(args.sizes)
-    runs = [args.warmup_rows, *sizes]
+    single_sizes = sorted(args.single_sizes or sizes)
+    runs, single_runs = [args.warmup_rows, *sizes], [args.warmup_rows, *single_sizes]
     samples = {n: write_sample_dataset(os.path.join(args.out, f"sample-{n}"), rows_per_split=n // SPLITS,
-                                       size_scale=1.0) for n in runs}
+                                       size_scale=1.0) for n in sorted({*runs, *single_runs})}
     job = load_job_config(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml"), [
         f"storage.root={args.out}/runs", f"enrich.num_executors={args.executors}", "enrich.executor_cores=1",
         f"enrich.num_partitions={4 * args.executors}", "enrich.context_corpus=[]", f"dataset.seq_len={args.seq_len}"])
@@ -208,7 +213,7 @@ def main() -> int:
     figures["load_avg_after_spark"] = os.getloadavg()
 
     torch.set_num_threads(args.executors)  # the cores Spark's executors had
-    for n in runs:
+    for n in single_runs:
         sample = samples[n]
         rows = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
         base = baseline_enrich(rows, job, load_eval_sets([sample.eval_path]))
@@ -218,9 +223,9 @@ def main() -> int:
     figures["load_avg_end"] = os.getloadavg()
     print(json.dumps(figures, indent=1, default=str))
 
-    (n1, n2), sp, one = sizes, figures["spark"], figures["single"]
+    (n1, n2), (s1, s2), sp, one = sizes, single_sizes, figures["spark"], figures["single"]
     spark_rate = (sp[n2]["rows_in"] - sp[n1]["rows_in"]) / (sp[n2]["seconds"] - sp[n1]["seconds"])
-    single_rate = (one[n2]["rows_in"] - one[n1]["rows_in"]) / (one[n2]["seconds"] - one[n1]["seconds"])
+    single_rate = (one[s2]["rows_in"] - one[s1]["rows_in"]) / (one[s2]["seconds"] - one[s1]["seconds"])
     constant = sp[n1]["seconds"] - sp[n1]["rows_in"] / spark_rate
     warm = sp[args.warmup_rows]
     warmup = warm["seconds"] - warm["rows_in"] / spark_rate - constant
@@ -230,8 +235,8 @@ def main() -> int:
           f"rows {n1} and {n2}, seq_len {args.seq_len}; Spark start {figures['spark_start_s']:.1f} s, first-run "
           f"warm-up {warmup:.1f} s ({warm['rows_in']} rows in {warm['seconds']:.1f} s), per-run constant "
           f"{constant:.1f} s; "
-          f"rows kept: spark {sp[n1]['rows_out']}/{sp[n2]['rows_out']}, single {one[n1]['rows_out']}/"
-          f"{one[n2]['rows_out']}")
+          f"rows kept: spark {sp[n1]['rows_out']}/{sp[n2]['rows_out']}, single {one[s1]['rows_out']}/"
+          f"{one[s2]['rows_out']} (at {s1} and {s2} rows)")
     print(f"passes at {n2} rows: " + ", ".join(f"{k} {v:.1f} s" for k, v in sp[n2]["passes"].items()))
     print(f"spark jobs per enrichment: {sp[n2]['jobs']}")
     print(f"fixed overhead: {figures['spark_start_s'] + warmup + constant:.1f} s")
