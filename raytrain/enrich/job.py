@@ -210,9 +210,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     contaminated = [{"uuid": r["uuid"], "split": r["split"], "detail": r["detail"]} for r in sorted(
         pq.read_table(quarantine.path, filesystem=quarantine.filesystem, columns=["uuid", "split", "reason", "detail"],
                       filters=[("reason", "=", CONTAMINATED)]).to_pylist(), key=lambda r: r["uuid"])]
-    empty_scores = {"all_sentences": {"count": 0}, "kept_sentences": {"count": 0}, "question": {"count": 0},
-                    "answer": {"count": 0}}
-    sel_overall = {k: v for k, v in (sentences["overall"] or empty_scores).items() if k != "corpus"}
+    sel_overall = {k: v for k, v in sentences["overall"].items() if k != "corpus"}
     config_hash = job.data_hash()
     manifest_loc = enriched.join(MANIFEST)
     report: dict[str, Any] = {
@@ -233,7 +231,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
                        "per_split": {split: {"rows": d["rows"], **{k: d[k] for k in SELECTION_ROW_COUNTS},
                                              **{k: d[k] for k in ("dropped_text_turns", "dropped_text_chars",
                                                                   "dropped_text_rows")},
-                                             **{k: v for k, v in sentences["per_split"].get(split, empty_scores)
+                                             **{k: v for k, v in sentences["per_split"].get(split, sentences["empty"])
                                                 .items() if k != "corpus"}}
                                      for split, d in rows["per_split"].items() if d["rows"]}},
         "tokenizer": job.dataset.tokenizer, "tokens": overall.get("tokens", {"count": 0}),
@@ -293,7 +291,6 @@ def _corpus_report(prepared: dict[str, Any], rows: dict[str, Any], sentences: di
     """report["corpus"]: the files, the table (reused or embedded now, and how long that took), the eval filter,
     the search method and its recall, per-split row paths, score distributions and the most-used documents."""
     table = prepared["table"]
-    empty = {"scores": {"count": 0}, "question": {"count": 0}, "answer": {"count": 0}}
     return {
         "files": [{"uri": f.loc.uri, "sha256": f.sha256, "records": f.records} for f in files],
         "id_field": cfg.corpus_id_field, "text_field": cfg.corpus_text_field,
@@ -309,9 +306,9 @@ def _corpus_report(prepared: dict[str, Any], rows: dict[str, Any], sentences: di
         "prepare_seconds": prepared["prepare_seconds"], "retrieve_seconds": prepared["retrieve_seconds"],
         "top_k": cfg.top_k, "min_score": cfg.min_score, "question_weight": cfg.question_weight,
         "rows": rows["overall"].get("rows", 0), **rows["overall"].get("corpus", {}),
-        **(sentences["overall"] or {}).get("corpus", empty), "top_documents": top_documents,
+        **sentences["overall"]["corpus"], "top_documents": top_documents,
         "per_split": {k: {"rows": v["rows"], **v.get("corpus", {}),
-                          **sentences["per_split"].get(k, {}).get("corpus", empty)}
+                          **sentences["per_split"].get(k, sentences["empty"])["corpus"]}
                       for k, v in rows["per_split"].items()},
     }
 

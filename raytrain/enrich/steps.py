@@ -139,9 +139,8 @@ def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = 
               .when(F.col("eval_ngrams") > 0, F.concat(F.col("eval_ngrams").cast("string"),
                                                        F.lit(f" distinct {n}-grams shared with the eval sets")))
               .otherwise(F.lit("")))
-    rows = prepared.join(flags, "row_id", "left").select(
-        *(F.col(c) for c in udfs.PREPARED.names[:6]), status.alias("status"), detail.alias("detail"),
-        *(F.col(c) for c in udfs.PREPARED.names[8:12]))
+    verdict = {"status": status.alias("status"), "detail": detail.alias("detail")}
+    rows = prepared.join(flags, "row_id", "left").select(*(verdict.get(c, F.col(c)) for c in udfs.ROW.names))
     rows = rows.repartition(cfg.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
     select = {"model_path": cfg.embedding_model, "batch_size": cfg.embed_batch_size, "top_k": cfg.top_k,
               "min_score": cfg.min_score, "question_weight": cfg.question_weight, "system_prompt": cfg.system_prompt,
@@ -166,7 +165,8 @@ def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = 
 
 
 def _dist(row, prefix: str, as_int: bool = False) -> dict[str, float]:
-    n = int(row[f"{prefix}_count"] or 0)
+    """The distribution ``prefix`` of an aggregated row; ``{"count": 0}`` when empty (or ``row`` is None)."""
+    n = 0 if row is None else int(row[f"{prefix}_count"] or 0)
     if not n:
         return {"count": 0}
     conv = int if as_int else (lambda v: round(float(v), 6))
@@ -261,7 +261,9 @@ def row_stats(finished: DataFrame, seq_len: int, reasons: Sequence[str], corpus:
 def sentence_stats(finished: DataFrame, corpus: bool) -> dict[str, Any]:
     """One rollup over the kept rows' sentences (one Spark job), overall and per split: distributions (count/min/
     p50/p90/p99/max) of the combined score over every candidate sentence and over the kept ones, of the question/
-    answer similarities, and with a corpus of the added corpus sentences' combined/question/answer scores."""
+    answer similarities, and with a corpus of the added corpus sentences' combined/question/answer scores.
+    ``"empty"``: the same dict with every distribution empty, for a split without sentences (and "overall" is that
+    when no row had any)."""
     kept = finished.filter(F.col("status") == udfs.OK)
     own = kept.select("split", F.lit("own").alias("kind"), F.explode(F.arrays_zip(
         F.col("sentence_scores").alias("s"), F.col("question_scores").alias("q"), F.col("answer_scores").alias("a"),
@@ -286,7 +288,8 @@ def sentence_stats(finished: DataFrame, corpus: bool) -> dict[str, Any]:
             out["corpus"] = {"scores": _dist(r, "cs"), "question": _dist(r, "cq"), "answer": _dist(r, "ca")}
         return out
 
-    return _by_split(own.rollup("split").agg(*aggs).collect(), convert)
+    out = _by_split(own.rollup("split").agg(*aggs).collect(), convert)
+    return {**out, "overall": out["overall"] or convert(None), "empty": convert(None)}
 
 
 def top_documents(finished: DataFrame, n: int = 10) -> list[dict[str, Any]]:

@@ -46,6 +46,8 @@ UNTOKENIZABLE = "untokenizable"
 _ROW = [("row_id", pa.int64()), ("split", pa.string()), ("uuid", pa.string()), ("category", pa.string()),
         ("license", pa.string()), ("reasoning", pa.string()), ("status", pa.string()), ("detail", pa.string()),
         ("context", pa.string()), ("question", pa.string()), ("answer", pa.string()), ("messages_json", pa.string())]
+ROW = pa.schema(_ROW)
+"""The row columns every table of the enrichment starts with (pass 2 reads them, with the final verdict)."""
 PREPARED = pa.schema([*_ROW, ("exact_key", pa.string()), ("signature", pa.binary()),
                       ("band_keys", pa.list_(pa.int64())), ("eval_ngrams", pa.int64())])
 """``prepare_batch``'s output: every input row, its verdict so far, what dedup and decontamination compare.
