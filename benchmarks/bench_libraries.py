@@ -100,11 +100,11 @@ def split_inputs(examples) -> list[str]:
 def long_prose(examples, max_chars: int) -> list[str]:
     """Prose lines (>= 3 words, not markup or code) of the long rows' assistant turns, up to max_chars in all."""
     from raytrain.enrich.context import prose_units
-    from raytrain.enrich.sentences import _split_code_blocks
+    from raytrain.enrich.sentences import split_code_blocks
 
     out, total = [], 0
     for e in sorted(examples, key=lambda e: -len(e.answer)):
-        for is_code, chunk in _split_code_blocks(e.answer):
+        for is_code, chunk in split_code_blocks(e.answer):
             if is_code:
                 continue
             for line in prose_units([ln.strip() for ln in chunk.splitlines()]):
@@ -120,7 +120,7 @@ def splitters():
     import blingfire
     import pysbd
 
-    from raytrain.enrich.sentences import _split_code_blocks, split_sentences
+    from raytrain.enrich.sentences import split_code_blocks, split_sentences
 
     seg = pysbd.Segmenter(language="en", clean=False)
 
@@ -133,7 +133,7 @@ def splitters():
     def in_lines(split_line):
         def split(text: str) -> list[str]:  # split_sentences with the regex boundary rule replaced by the library
             units = []
-            for is_code, chunk in _split_code_blocks(text):
+            for is_code, chunk in split_code_blocks(text):
                 if is_code:
                     units.append(chunk.strip("\n"))
                     continue

@@ -38,7 +38,7 @@ _LAST_WORD = re.compile(r"(\S+)$")
 _INITIALS = re.compile(r"^(?:[A-Za-z]\.)+$")  # "J." or "U.S."
 
 
-def _split_code_blocks(text: str) -> list[tuple[bool, str]]:
+def split_code_blocks(text: str) -> list[tuple[bool, str]]:
     """[(is_code, chunk)] in order; an unclosed fence makes the rest of the text one code block."""
     out: list[tuple[bool, str]] = []
     pos = 0
@@ -95,7 +95,7 @@ def split_sentences(text: str) -> list[str]:
     if not text:
         return []
     units: list[str] = []
-    for is_code, chunk in _split_code_blocks(text):
+    for is_code, chunk in split_code_blocks(text):
         if is_code:
             units.append(chunk.strip("\n"))
             continue
