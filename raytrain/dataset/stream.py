@@ -141,6 +141,7 @@ def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> Pac
     """Pack ``ds`` (TOKENIZED_COLUMNS rows) into Parquet under ``out``; None when it gave no pack."""
     ds = ds.map_batches(pack_batch, batch_format="pandas", batch_size=PACK_BATCH_ROWS,
                         fn_kwargs={"seq_len": cfg.seq_len, "length_policy": cfg.length_policy})
+    ds.context.execution_options.preserve_order = True  # the same rows always make the same packs (pack_enriched)
     # one pack per row group: a trainer rank reads exactly the packs it trains (raytrain.dataset.packs)
     ds.write_parquet(out.path, filesystem=out.filesystem, row_group_size=PACK_ROW_GROUP_ROWS)
     out_files = _parquet_files(out) if out.exists() else []
@@ -209,6 +210,9 @@ def pack_enriched(enriched: StorageLocation, packed: StorageLocation, cfg: Datas
     log.info("dataset: packing %d tokenized conversations (%s) into %d-token sequences with Ray Data",
              num_rows, cfg.tokenizer, cfg.seq_len)
     ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=columns)
+    # Packs depend on which rows share a batch: keep the files' row order through every step, so the same enriched
+    # data always gives the same packs (and the same training run), not whatever order the tasks finish in.
+    ds.context.execution_options.preserve_order = True
     train_ds = ds if fraction == 0 and not weights else ds.map_batches(
         _rows_of_role, batch_format="pandas", fn_kwargs={"fraction": fraction, "validation": False,
                                                          "weights": weights})

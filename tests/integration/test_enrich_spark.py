@@ -288,6 +288,14 @@ def test_hand_off_packs_without_error(out):
     held_out = packed.validation.num_real_tokens if packed.validation else 0  # the demo holds 5% out
     # every enriched row's tokens, in training or validation: nothing chunked, nothing cut, nothing lost
     assert packed.num_real_tokens + held_out == sum(r["num_tokens"] for r in out.enriched)
+    # the same enriched rows always give the same packs (Ray Data keeps the files' row order through packing)
+    again_packed = pack_enriched(out.result.enriched, out.run_root.join("data", "packed-again"), out.job.dataset, "h")
+
+    def packs_of(data):  # every pack's columns; sorted, as the written files' names differ per write
+        return sorted(row for p in data.files for row in pq.read_table(p).to_pandas().astype(str).values.tolist())
+
+    assert packs_of(packed) == packs_of(again_packed)
+    assert packs_of(packed.validation) == packs_of(again_packed.validation)
     # packing the stored ids gives the packs that tokenizing the conversations again gives
     from raytrain.dataset.pack import PACK_COLUMNS, pack_batch, tokenize_frame
 
