@@ -43,12 +43,12 @@ NEAR_DUPLICATE = "near_duplicate"
 CONTAMINATED = "contaminated"
 UNTOKENIZABLE = "untokenizable"
 
-_ROW = [("row_id", pa.int64()), ("split", pa.string()), ("uuid", pa.string()), ("category", pa.string()),
-        ("license", pa.string()), ("reasoning", pa.string()), ("status", pa.string()), ("detail", pa.string()),
-        ("context", pa.string()), ("question", pa.string()), ("answer", pa.string()), ("messages_json", pa.string())]
-ROW = pa.schema(_ROW)
+ROW = pa.schema([("row_id", pa.int64()), ("split", pa.string()), ("uuid", pa.string()), ("category", pa.string()),
+                 ("license", pa.string()), ("reasoning", pa.string()), ("status", pa.string()),
+                 ("detail", pa.string()), ("context", pa.string()), ("question", pa.string()),
+                 ("answer", pa.string()), ("messages_json", pa.string())])
 """The row columns every table of the enrichment starts with (pass 2 reads them, with the final verdict)."""
-PREPARED = pa.schema([*_ROW, ("exact_key", pa.string()), ("signature", pa.binary()),
+PREPARED = pa.schema([*ROW, ("exact_key", pa.string()), ("signature", pa.binary()),
                       ("band_keys", pa.list_(pa.int64())), ("eval_ngrams", pa.int64())])
 """``prepare_batch``'s output: every input row, its verdict so far, what dedup and decontamination compare.
 ``eval_ngrams``: distinct word n-grams shared with the eval sets (decided after dedup, as the chain orders it)."""
@@ -70,7 +70,7 @@ TOKENS = pa.schema([("num_tokens", pa.int64()), ("train_tokens", pa.int64()), ("
 
 def finished_schema(corpus: bool) -> pa.Schema:
     """``finish_batch``'s output: the row columns, the selection audit, the corpus audit (with a corpus), tokens."""
-    return pa.schema([*_ROW, *SELECTION, *(CORPUS if corpus else []), *TOKENS])
+    return pa.schema([*ROW, *SELECTION, *(CORPUS if corpus else []), *TOKENS])
 
 
 def _defaults(schema: pa.Schema, n: int) -> dict[str, list]:
@@ -325,10 +325,11 @@ def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[st
     keep = (pdf["status"] == OK).to_numpy()
     parts = []
     if keep.any():
-        refused = refused_before_context(pdf[keep], tokenize, select)
+        kept = pdf[keep]
+        refused = refused_before_context(kept, tokenize, select)
         if len(refused):
             parts.append(_with_defaults(refused, schema))
-        rest_ok = pdf[keep].drop(index=refused.index)
+        rest_ok = kept.drop(index=refused.index)
         if len(rest_ok):
             ok = select_batch(rest_ok, **select)
             if corpus is not None:
