@@ -166,14 +166,44 @@ def spark_session(cfg: EnrichConfig, app_name: str = "raytrain-enrich",
     configs.update(extra_configs or {})
     log.info("starting Spark on Ray: %d executor(s) x %d core(s), %s, Java %d from %s",
              cfg.num_executors, cfg.executor_cores, cfg.executor_memory, java.major, java.source)
-    spark = raydp.init_spark(app_name=app_name, num_executors=cfg.num_executors,
-                             executor_cores=cfg.executor_cores, executor_memory=cfg.executor_memory,
-                             configs=configs)
+    with _gateway_launch_without_preexec_fn():
+        spark = raydp.init_spark(app_name=app_name, num_executors=cfg.num_executors,
+                                 executor_cores=cfg.executor_cores, executor_memory=cfg.executor_memory,
+                                 configs=configs)
     try:
         yield spark
     finally:
         raydp.stop_spark()
         _stop_driver_jvm()
+
+
+def _popen_without_preexec_fn(*args, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen, with a ``preexec_fn`` replaced by ``start_new_session=True``.
+
+    pyspark's launch_gateway passes ``preexec_fn`` (it sets SIGINT to SIG_IGN in the child, so a Ctrl-C meant for
+    the driver does not kill the JVM). A ``preexec_fn`` makes CPython fork and run Python in the child before exec,
+    which the subprocess docs call unsafe in a process with threads: a lock another thread held at the fork stays
+    held in the child forever. The driver here has Ray's threads, and CI hung so once (2026-12-04): the forked
+    child waited on a futex and never exec'd, pytest waited on the error pipe. A new session keeps the terminal's
+    Ctrl-C from the JVM as the SIG_IGN did (the signal goes to the foreground process group only), and CPython
+    does it in C (setsid), so no Python runs between fork and exec. The JVM still exits when its stdin closes."""
+    if kwargs.pop("preexec_fn", None) is not None:
+        kwargs["start_new_session"] = True
+    return subprocess.Popen(*args, **kwargs)
+
+
+@contextmanager
+def _gateway_launch_without_preexec_fn() -> Iterator[None]:
+    """While Spark starts, pyspark launches the driver JVM through _popen_without_preexec_fn. (RayDP's app master
+    JVM is launched the same way, but in its Ray actor's process, which this cannot reach.)"""
+    from pyspark import java_gateway
+
+    original = java_gateway.Popen
+    java_gateway.Popen = _popen_without_preexec_fn
+    try:
+        yield
+    finally:
+        java_gateway.Popen = original
 
 
 def _stop_driver_jvm() -> None:

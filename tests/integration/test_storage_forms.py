@@ -69,6 +69,15 @@ def spark(roots, ray_local):
         yield session
 
 
+def test_driver_jvm_leads_its_own_session(spark):
+    """The driver JVM was launched without pyspark's preexec_fn (raytrain.enrich.spark: forking with Python in the
+    child hung CI once), in a session of its own, which keeps a terminal's Ctrl-C from it as the preexec_fn did."""
+    from pyspark import SparkContext
+
+    pid = SparkContext._gateway.proc.pid
+    assert os.getsid(pid) == pid != os.getsid(0)
+
+
 def _pyarrow_write(loc: StorageLocation) -> None:
     target = loc.join("pyarrow", "part-00000.parquet")
     target.parent.mkdirs()

@@ -1,0 +1,33 @@
+"""How the Spark driver JVM is launched: never with Python code between fork and exec (spark._popen_without_preexec_fn).
+The real launch is checked in tests/integration/test_storage_forms.py (the JVM leads a session of its own)."""
+
+import os
+import subprocess
+import sys
+
+from raytrain.enrich.spark import _gateway_launch_without_preexec_fn, _popen_without_preexec_fn
+
+_SID = [sys.executable, "-c", "import os; print(os.getpid(), os.getsid(0))"]
+
+
+def test_preexec_fn_becomes_a_new_session():
+    ran = []
+    proc = _popen_without_preexec_fn(_SID, stdout=subprocess.PIPE, text=True, preexec_fn=lambda: ran.append(1))
+    pid, sid = map(int, proc.communicate(timeout=60)[0].split())
+    assert proc.returncode == 0 and not ran
+    assert sid == pid != os.getsid(0)  # the child leads its own session, so a terminal's Ctrl-C does not reach it
+
+
+def test_without_preexec_fn_nothing_changes():
+    proc = _popen_without_preexec_fn(_SID, stdout=subprocess.PIPE, text=True)
+    pid, sid = map(int, proc.communicate(timeout=60)[0].split())
+    assert sid == os.getsid(0) != pid
+
+
+def test_patch_is_scoped_to_the_launch():
+    from pyspark import java_gateway
+
+    original = java_gateway.Popen
+    with _gateway_launch_without_preexec_fn():
+        assert java_gateway.Popen is _popen_without_preexec_fn
+    assert java_gateway.Popen is original is subprocess.Popen
