@@ -6,9 +6,9 @@ and a run report.
 
 ``steps.py`` has the passes. Every row carries a status ("ok" or its quarantine reason) from pass 1 on; the
 per-step counts come from one aggregation of it, and the job checks on the written Parquet footers that no row
-went missing: rows in == enriched + quarantined. Spark actions per enrichment (no corpus): the verified pairs'
-collect (which runs pass 1 and the dedup), one per write, two statistics rollups; no global sort
-(benchmarks/bench_enrich.py counts the jobs Spark runs for them). Outputs, under the run's ``data/`` folder:
+went missing: rows in == enriched + quarantined. Spark actions per enrichment (no corpus): the near-duplicate
+flags' count (which runs pass 1, the LSH buckets and the clustering), one per write, two statistics rollups; no
+global sort (benchmarks/bench_enrich.py counts the jobs Spark runs for them). Outputs, under the run's ``data/`` folder:
 
 - ``data/enriched/part-*.parquet``: kept rows, files hash-partitioned by uuid and sorted by uuid within each
   (the same files and order on every run of the same inputs and config), with the audit columns of the selection
@@ -147,10 +147,10 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     raw = steps.read_inputs(spark, {k: [spark_uri(loc) for loc in v] for k, v in files.items()}, job.data.max_rows,
                             {k: v["schema"] for k, v in footers.items()})
     prepared = steps.prepare(raw, eval_array, job)
-    flags = steps.duplicates(spark, prepared, job).persist()  # collecting the verified pairs runs pass 1
+    dups = steps.duplicates(spark, prepared, job)  # its one Spark job runs pass 1
     passes["prepare_and_dedup"] = time.perf_counter() - t0
-    log.info("enrich: pass 1 (derive, license, dedup keys, eval n-grams) and dedup (exact groups, LSH buckets, "
-             "clusters) over %d rows (%.1fs)", rows_in, passes["prepare_and_dedup"])
+    log.info("enrich: pass 1 (derive, license, dedup keys, eval n-grams) and near-dup clustering (LSH buckets, "
+             "components) over %d rows (%.1fs)", rows_in, passes["prepare_and_dedup"])
 
     corpus: dict[str, Any] = {}
     shipped = None
@@ -168,12 +168,12 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
 
     t0 = time.perf_counter()
     retrieve_seconds = sc.accumulator(0.0)
-    finished = steps.finish(prepared, flags, job, corpus=shipped, eval_index=eval_array,
+    finished = steps.finish(prepared, dups.flags, job, corpus=shipped, eval_index=eval_array,
                             retrieve_seconds=retrieve_seconds)
     finished.filter(F.col("status") == OK).select(*steps.enriched_columns(bool(corpus_files))) \
         .write.mode("overwrite").parquet(spark_uri(enriched))
     prepared.unpersist()
-    flags.unpersist()
+    dups.unpersist()
     passes["finish"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     steps.quarantined(finished).write.mode("overwrite").parquet(spark_uri(quarantine))

@@ -1,8 +1,8 @@
 """The enrichment as Spark DataFrame transforms, in two row passes and one narrow dedup in between:
 
     read -> prepare (one pass: derive, license, exact-dedup key, MinHash + LSH band keys, eval n-gram count)
-         -> duplicates (narrow columns only: exact groups and LSH buckets verified in Spark, clusters of the
-            verified pairs on the driver)
+         -> duplicates (narrow columns only, all in Spark: exact groups, LSH buckets verified, the verified
+            pairs' connected components in one task)
          -> finish (one pass over the rows still kept: selection, corpus context, tokenization to ids)
 
 Every row carries a ``status`` column from the first pass on ("ok" or the reason it is quarantined), so every row
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
-from pyspark import StorageLevel
+from pyspark import AccumulatorParam, StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -85,21 +85,34 @@ def prepare(raw: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
     return prepared.persist(StorageLevel.MEMORY_AND_DISK)
 
 
-def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> DataFrame:
+class Duplicates(NamedTuple):
+    flags: DataFrame  # (row_id, dup_reason, dup_detail), persisted; its near half is computed, the exact half not
+    near: DataFrame  # the near half, persisted and computed
+    pairs: int  # verified near-duplicate pairs
+    near_drops: int  # rows dropped as near duplicates
+
+    def unpersist(self) -> None:
+        self.flags.unpersist()
+        self.near.unpersist()
+
+
+def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Duplicates:
     """(``row_id``, ``dup_reason``, ``dup_detail``) of every kept-so-far row that is an exact or near duplicate.
+    Runs one Spark job (the near half's count, which also runs pass 1); the exact half is computed with pass 2.
 
     Exact: rows with the same key keep the smallest (uuid, row_id) (a window over the key, in Spark). Near, among
     the exact survivors: rows sharing an LSH band key are candidates, each bucket verified in applyInPandas
-    (estimated Jaccard >= enrich.near_dup_threshold); the verified pairs come to the driver as Arrow columns and
-    are clustered there (udfs.near_duplicate_drops: connected components, so a chain a~b~c is one cluster even
-    when a and c differ more; each keeps its smallest (uuid, row_id)). Reads only the narrow columns (ids, keys,
-    signatures). The pairs' collect is the Spark job that runs pass 1.
+    (estimated Jaccard >= enrich.near_dup_threshold), and the verified pairs are clustered in one Spark task
+    (udfs.near_duplicate_drops: connected components, so a chain a~b~c is one cluster even when a and c differ
+    more; each keeps its smallest (uuid, row_id)). Reads only the narrow columns (ids, keys, signatures). Nothing
+    comes to the driver but the two counts.
 
-    Why the components are not computed in Spark: large-star/small-star rounds (Kiveris et al. 2014, as
-    text-dedup's Spark job runs them) took 46-94 s for a five-edge graph on local Spark here (about 8 shuffles a
-    round, three rounds: the stage overhead of a 2-core machine), and ran the RayDP driver out of heap on the
-    sample. The driver holds only the verified pairs, ~100 bytes each (two row ids, two uuids, a Jaccard), not
-    the rows: 10 million near-duplicate pairs are ~1 GB, and scipy finds their components in seconds."""
+    Why one task and not large-star/small-star rounds (Kiveris et al. 2014, as text-dedup's Spark job runs them):
+    those took 46-94 s for a five-edge graph on local Spark here (about 8 shuffles a round, three rounds: the stage
+    overhead of a 2-core machine), each round is a Spark job of its own, and they ran the RayDP driver out of heap
+    on the sample. The task holds only the verified pairs, ~100 bytes each (two row ids, two uuids, a Jaccard), not
+    the rows: 10 million near-duplicate pairs are ~1 GB, and scipy finds their components in seconds. Beyond one
+    executor's memory of pairs, the rounds would be the way."""
     threshold = job.enrich.near_dup_threshold
     ok = prepared.filter(F.col("status") == udfs.OK).select("row_id", "uuid", "exact_key", "signature", "band_keys")
     w = Window.partitionBy("exact_key").orderBy("uuid", "row_id")
@@ -113,14 +126,36 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Data
         F.col("_n") > 1).drop("_n")
     pairs = candidates.groupBy("band_key").applyInPandas(
         lambda pdf: udfs.verify_bucket(pdf, threshold), schema=spark_schema(udfs.PAIRS),
-    ).dropDuplicates(["a_row_id", "b_row_id"]).toPandas()
-    drops = udfs.near_duplicate_drops(pairs)
+    ).dropDuplicates(["a_row_id", "b_row_id"])
+    counts = spark.sparkContext.accumulator((0, 0), _PairAccumulator())
+
+    def components(pdf):
+        drops = udfs.near_duplicate_drops(pdf)
+        counts.add((len(pdf), len(drops)))
+        return drops
+
+    near = pairs.groupBy(F.lit(0)).applyInPandas(components, schema="row_id long, dup_detail string").select(
+        "row_id", F.lit(udfs.NEAR_DUPLICATE).alias("dup_reason"), "dup_detail").persist(StorageLevel.MEMORY_AND_DISK)
+    # Only the near half here: a job over both halves would run their two shuffles of `prepared` (pruned to
+    # different columns, so not one reused exchange) as concurrent stages, each computing pass 1's partitions it
+    # finds uncached; pass 2 then reads the exact half's columns from the cache.
+    near.count()
+    num_pairs, near_drops = counts.value
     bands, rows = lsh_params(threshold, NUM_PERM)
     log.info("enrich: near-duplicates: %d pairs at estimated Jaccard >= %.2f (LSH %d bands x %d rows), %d rows to "
-             "drop (each cluster keeps its smallest uuid)", len(pairs), threshold, bands, rows, len(drops))
-    near = spark.createDataFrame(drops, schema="row_id long, dup_detail string").select(
-        "row_id", F.lit(udfs.NEAR_DUPLICATE).alias("dup_reason"), "dup_detail")
-    return exact.unionByName(near)
+             "drop (each cluster keeps its smallest uuid)", num_pairs, threshold, bands, rows, near_drops)
+    flags = exact.unionByName(near).persist(StorageLevel.MEMORY_AND_DISK)
+    return Duplicates(flags, near, num_pairs, near_drops)
+
+
+class _PairAccumulator(AccumulatorParam):
+    """Elementwise sum of (pairs, drops)."""
+
+    def zero(self, value):
+        return (0, 0)
+
+    def addInPlace(self, a, b):
+        return (a[0] + b[0], a[1] + b[1])
 
 
 def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
