@@ -19,7 +19,8 @@ alone and flatter the slope. "fixed overhead" is what one enrichment job pays be
 warm-up and the per-run constant. ``--single-sizes`` (default: ``--sizes``) lets the single process, whose cost is
 per row, take its slope from smaller samples of the same generator when the large size would take too long twice
 (the scale run: ``--sizes 2000 20000 --single-sizes 400 2000``). Spark jobs are counted
-by Spark's status tracker (the enrichment runs in a job group). Peak memory: resident set sizes sampled every
+by Spark's status tracker: those of the enrichment's job group, plus the jobs without a group that appeared during
+it (a broadcast join's job runs in a thread of its own and carries no group; nothing else runs meanwhile). Peak memory: resident set sizes sampled every
 0.5 s and summed per side: the driver (this Python process and the Spark driver JVM it starts) and the executors
 (RayDP's executor JVMs and the Python workers they start).
 
@@ -196,6 +197,7 @@ def main() -> int:
                 for n in runs:
                     group = f"enrich-{n}"
                     sc.setJobGroup(group, group)
+                    ungrouped = set(sc.statusTracker().getJobIdsForGroup(None))
                     t0 = time.perf_counter()
                     report = enrich_in_session(spark, job, resolve(samples[n].out_dir),
                                                resolve(f"{args.out}/runs/bench-{n}"),
@@ -204,7 +206,8 @@ def main() -> int:
                     figures["spark"][n] = {"seconds": seconds, "rows_in": report["rows_in"],
                                            "rows_out": report["rows_out"], "passes": report["passes"],
                                            "steps": report.get("steps"),
-                                           "jobs": len(sc.statusTracker().getJobIdsForGroup(group))}
+                                           "jobs": len(sc.statusTracker().getJobIdsForGroup(group)) + len(
+                                               set(sc.statusTracker().getJobIdsForGroup(None)) - ungrouped)}
                     print(f"spark {n} rows: {seconds:.1f} s, passes {report['passes']}, "
                           f"{figures['spark'][n]['jobs']} jobs", flush=True)
         figures["peak_memory_bytes"] = dict(memory.peak)
