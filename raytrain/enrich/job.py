@@ -8,7 +8,8 @@ and a run report.
 per-step counts come from one aggregation of it, and the job checks on the written Parquet footers that no row
 went missing: rows in == enriched + quarantined. Spark actions per enrichment (no corpus): the near-duplicate
 flags' count (which runs pass 1, the LSH buckets and the clustering), the flags' broadcast to pass 2 (a job Spark
-runs for the join), one per write, two statistics rollups: 6; no global sort (benchmarks/bench_enrich.py counts the jobs Spark runs for them). Outputs, under the run's ``data/`` folder:
+runs for the join), one per write, two statistics rollups: 6; no global sort (benchmarks/bench_enrich.py counts
+the jobs Spark runs for them). Outputs, under the run's ``data/`` folder:
 
 - ``data/enriched/part-*.parquet``: kept rows, files hash-partitioned by uuid and sorted by uuid within each
   (the same files and order on every run of the same inputs and config), with the audit columns of the selection
