@@ -119,11 +119,16 @@ def minhash_signature(
         raise RaytrainError(f"num_perm must be >= 1, got {num_perm}")
     if ngram < 1:
         raise RaytrainError(f"ngram must be >= 1, got {ngram}")
-    shingles = shingle_hashes(text, ngram, unit)  # (K,)
+    return hashes_signature(shingle_hashes(text, ngram, unit), num_perm, seed)
+
+
+def hashes_signature(hashes: np.ndarray, num_perm: int = 128, seed: int = 0) -> np.ndarray:
+    """MinHash signature of a set of well-mixed 64-bit shingle hashes (K,) uint64 -> (num_perm,) uint32; see
+    minhash_signature. Repeated hashes count once (a minimum is a minimum)."""
     sig = np.full(num_perm, _MAX_HASH32, dtype=np.uint32)
     mult, add = _perm_params(num_perm, seed)  # (P, 1) each
-    for start in range(0, shingles.size, _CHUNK):
-        chunk = shingles[None, start : start + _CHUNK]  # (1, C)
+    for start in range(0, hashes.size, _CHUNK):
+        chunk = hashes[None, start : start + _CHUNK]  # (1, C)
         permuted = chunk * mult  # (P, C), wraps mod 2**64
         permuted += add
         np.minimum(sig, (permuted >> np.uint64(32)).min(axis=1).astype(np.uint32), out=sig)

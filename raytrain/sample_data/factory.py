@@ -15,8 +15,8 @@ import random
 import uuid as uuidlib
 from statistics import NormalDist
 
-from raytrain.sample_data.similarity import _jaccard, _shingles
-from raytrain.sample_data.spec import CARD_BYTES_PER_ROW, LENGTH_SIGMA, MAX_LENGTH_QUANTILE, MAX_ROW_SIMILARITY
+from raytrain.sample_data.similarity import SeenRows
+from raytrain.sample_data.spec import CARD_BYTES_PER_ROW, LENGTH_SIGMA, MAX_LENGTH_QUANTILE
 from raytrain.sample_data.vocab import (
     _ADJS,
     _CURRENCIES,
@@ -204,11 +204,11 @@ class _RowFactory:
             paragraphs.append(" ".join(sentences))
         return "\n\n".join(paragraphs)
 
-    def grow(self, row: dict, split: str, seen: list[set[str]]) -> dict:
+    def grow(self, row: dict, split: str, seen: SeenRows) -> dict:
         """Draw the row's target length and fill its final turn up to it (or just drop the marker).
 
         ``seen``: the 5-gram sets of the split's rows so far. A row still too close to one of them (a short
-        templated row next to its twin) gets more filler until it is not; its set is appended to ``seen``.
+        templated row next to its twin) gets more filler until it is not; its set is added to ``seen``.
         """
         mean = CARD_BYTES_PER_ROW[split] * self.size_scale
         # Stratified (Latin hypercube) draw: one quantile band per row, so a split's sample mean stays near
@@ -222,11 +222,11 @@ class _RowFactory:
         text = self.filler(split, deficit) if deficit > 0 else ""
         while True:
             last["content"] = template.replace(_GROW, "\n\n" + text if text else "")
-            shingles = _shingles(row)
-            if all(_jaccard(shingles, other) < MAX_ROW_SIMILARITY for other in seen):
+            too_close, hashes, sig = seen.check(row)
+            if not too_close:
                 break
             text = (text + "\n\n" if text else "") + self.filler(split, 100)
-        seen.append(shingles)
+        seen.add(hashes, sig)
         return row
 
     def row(self, split: str, messages: list[dict], reasoning: bool, template: str) -> dict:

@@ -14,7 +14,7 @@ import re
 from raytrain.config import SPLITS
 from raytrain.errors import RaytrainError
 from raytrain.sample_data.rows import _Gen
-from raytrain.sample_data.similarity import _char_jaccard
+from raytrain.sample_data.similarity import SeenRows, _char_jaccard
 from raytrain.sample_data.spec import CONTEXT_SPLITS, DISALLOWED_LICENSES, MAX_CHARS, NGRAM, QUARANTINE_PER_REASON
 from raytrain.sample_data.vocab import _EVAL_TEMPLATES, _SWAP_WORDS
 
@@ -124,7 +124,7 @@ def _split_rows(gen: _Gen, split: str, s_idx: int, rows_per_split: int, eval_ite
     num_planted = len(malformed) + disallowed + 1 + (split == "chat") + 1 + near_dups  # +1s: contaminated, exact
     num_normals = rows_per_split - num_planted
     gen.start_split(num_normals + disallowed)  # one length band per grown row
-    seen: list[set[str]] = []  # 5-gram sets of the grown rows so far (see _Gen.grow)
+    seen = SeenRows()  # 5-gram sets of the grown rows so far (see _Gen.grow)
     special: list[tuple[dict, str, dict]] = []  # (row, planted kind, key entry)
     for reason, v in malformed:
         special.append((_malformed(gen, split, reason, v), "quarantine", {"reason": reason}))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from raytrain.sample_data.factory import _call, _date, _RowFactory, _Slots, _tool_spec
+from raytrain.sample_data.similarity import SeenRows
 from raytrain.sample_data.vocab import (
     _ADJS,
     _ARG_NAMES,
@@ -310,7 +311,7 @@ class _Gen(_RowFactory):
         return (f"Find me flights from {origin} to {dest} on {date}.", {"origin": origin, "destination": dest, "date": date},
                 {"flights": n}, f"I found {n} flights from {origin} to {dest} on {date}.")
 
-    def normal(self, split: str, index: int, seen: list[set[str]]) -> tuple[dict, dict | None]:
+    def normal(self, split: str, index: int, seen: SeenRows) -> tuple[dict, dict | None]:
         """Row ``index`` of a split's ordinary rows (grown to its drawn length, see grow) and its context answer
         key. Every other chat row and three in five stem rows are context rows, so their number is known ahead."""
         key = None

@@ -22,6 +22,8 @@ from raytrain.enrich.decontam import build_eval_index, build_sorted_index, conta
 from raytrain.enrich.dedup import exact_key, minhash_signature, near_duplicate_groups
 from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA, validate_schema
 from raytrain.sample_data import CARD_BYTES_PER_ROW, load_planted, write_sample_dataset
+from raytrain.sample_data.similarity import SeenRows, _jaccard, _shingle_hashes, _shingles
+from raytrain.sample_data.spec import MAX_ROW_SIMILARITY
 
 FILE_NAME = re.compile(r"data/(chat|code|math|stem|tool)-(\d{5})-of-(\d{5})\.parquet")
 ON_TOGGLES = ("detailed thinking on", "/think")
@@ -90,6 +92,30 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path, sample):
         assert not filecmp.cmp(a, c, shallow=False)
     assert filecmp.cmp(manifest.planted_path, again.planted_path, shallow=False)
     assert filecmp.cmp(manifest.eval_path, again.eval_path, shallow=False)
+
+
+def test_seen_rows_agree_with_comparing_every_set(sample):
+    """SeenRows (MinHash candidates, then exact) gives the verdict of comparing a row's 5-gram set with every earlier
+    row's, row by row over each split in file order (the planted duplicates are the rows too close to an earlier
+    one), and compares few sets exactly."""
+    total_pairs = compared = close = 0
+    for split in SPLITS:
+        rows = [{"messages": [{**m, "tool_calls": m["tool_calls"] or []} for m in r["messages"]]}
+                for r in sample.rows[split] if r["messages"]]
+        seen, sets = SeenRows(), []
+        for row in rows:
+            shingles = _shingles(row)
+            assert _shingle_hashes(row).size == len(shingles)  # one hash per distinct 5-gram
+            want = any(_jaccard(shingles, other) >= MAX_ROW_SIMILARITY for other in sets)
+            got, hashes, sig = seen.check(row)
+            assert got == want
+            close += want
+            seen.add(hashes, sig)
+            sets.append(shingles)
+        total_pairs += len(rows) * (len(rows) - 1) // 2
+        compared += seen.compared
+    assert close >= len(sample.planted["exact_duplicates"]) + len(sample.planted["near_duplicates"])
+    assert compared < 0.05 * total_pairs
 
 
 def test_planted_entries_point_at_their_file_and_row(sample):
