@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from raytrain.config import EnrichConfig
 from raytrain.errors import RaytrainError
@@ -192,18 +193,36 @@ def _popen_without_preexec_fn(*args, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(*args, **kwargs)
 
 
+def _app_master_class() -> Any:
+    """RayDP's app master actor class, launching its JVM through _popen_without_preexec_fn: RayDP copied pyspark's
+    launch, preexec_fn included, and runs it in the actor's own process (a Ray worker, with threads of its own)."""
+    import ray
+    from raydp.spark import ray_cluster_master
+
+    class RayDPSparkMaster(ray_cluster_master.RayDPSparkMaster.__ray_actor_class__):
+        def _launch_gateway(self, class_path, popen_kwargs=None):
+            launch = super()._launch_gateway
+            # The globals the method reads `Popen` from: Ray ships the base class by value (its module's name for it
+            # is the actor wrapper), so they are a copy of the module's, not raydp's module itself.
+            launch.__func__.__globals__["Popen"] = _popen_without_preexec_fn
+            return launch(class_path, popen_kwargs)
+
+    return ray.remote(RayDPSparkMaster)
+
+
 @contextmanager
 def _gateway_launch_without_preexec_fn() -> Iterator[None]:
-    """While Spark starts, pyspark launches the driver JVM through _popen_without_preexec_fn. (RayDP's app master
-    JVM is launched the same way, but in its Ray actor's process, which this cannot reach.)"""
+    """While Spark starts, pyspark launches the driver JVM, and RayDP's app master actor its JVM, through
+    _popen_without_preexec_fn."""
     from pyspark import java_gateway
+    from raydp.spark import ray_cluster
 
-    original = java_gateway.Popen
-    java_gateway.Popen = _popen_without_preexec_fn
+    originals = java_gateway.Popen, ray_cluster.RayDPSparkMaster
+    java_gateway.Popen, ray_cluster.RayDPSparkMaster = _popen_without_preexec_fn, _app_master_class()
     try:
         yield
     finally:
-        java_gateway.Popen = original
+        java_gateway.Popen, ray_cluster.RayDPSparkMaster = originals
 
 
 def _stop_driver_jvm() -> None:

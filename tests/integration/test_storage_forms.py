@@ -69,13 +69,24 @@ def spark(roots, ray_local):
         yield session
 
 
-def test_driver_jvm_leads_its_own_session(spark):
-    """The driver JVM was launched without pyspark's preexec_fn (raytrain.enrich.spark: forking with Python in the
-    child hung CI once), in a session of its own, which keeps a terminal's Ctrl-C from it as the preexec_fn did."""
+def test_jvms_lead_their_own_sessions(spark):
+    """The driver JVM and RayDP's app master JVM were launched without pyspark's preexec_fn (raytrain.enrich.spark:
+    forking with Python in the child hung CI once), each in a session of its own, which keeps a terminal's Ctrl-C
+    from them as the preexec_fn did."""
     from pyspark import SparkContext
 
     pid = SparkContext._gateway.proc.pid
     assert os.getsid(pid) == pid != os.getsid(0)
+    masters = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"org.apache.spark.deploy.raydp.AppMasterEntryPoint" in f.read():
+                    masters.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    assert masters, "no RayDP app master JVM found"
+    assert all(os.getsid(p) == p for p in masters)
 
 
 def _pyarrow_write(loc: StorageLocation) -> None:

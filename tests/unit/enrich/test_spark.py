@@ -26,8 +26,11 @@ def test_without_preexec_fn_nothing_changes():
 
 def test_patch_is_scoped_to_the_launch():
     from pyspark import java_gateway
+    from raydp.spark import ray_cluster, ray_cluster_master
 
-    original = java_gateway.Popen
+    original, master = java_gateway.Popen, ray_cluster.RayDPSparkMaster
     with _gateway_launch_without_preexec_fn():
         assert java_gateway.Popen is _popen_without_preexec_fn
+        assert ray_cluster.RayDPSparkMaster is not master
     assert java_gateway.Popen is original is subprocess.Popen
+    assert ray_cluster.RayDPSparkMaster is master is ray_cluster_master.RayDPSparkMaster
