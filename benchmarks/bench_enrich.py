@@ -20,7 +20,8 @@ warm-up and the per-run constant. ``--single-sizes`` (default: ``--sizes``) lets
 per row, take its slope from smaller samples of the same generator when the large size would take too long twice
 (the scale run: ``--sizes 2000 20000 --single-sizes 400 2000``). Spark jobs are counted
 by Spark's status tracker: those of the enrichment's job group, plus the jobs without a group that appeared during
-it (a broadcast join's job runs in a thread of its own and carries no group; nothing else runs meanwhile). Peak memory: resident set sizes sampled every
+it (a broadcast join's job runs in a thread of its own and carries no group; nothing else runs meanwhile). The
+count is printed for n2. Peak memory: resident set sizes sampled every
 0.5 s and summed per side: the driver (this Python process and the Spark driver JVM it starts) and the executors
 (RayDP's executor JVMs and the Python workers they start).
 
