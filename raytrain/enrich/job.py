@@ -10,7 +10,8 @@ went missing: rows in == enriched + quarantined. Spark actions per enrichment (n
 flags' count (which runs pass 1, the LSH buckets and the clustering), one per write, two statistics rollups, and
 a job of Spark's own when it broadcasts the flags to pass 2's join (when it estimates them under
 spark.sql.autoBroadcastJoinThreshold: on 100 and 400 card-length rows, not on 2,000, where it sort-merge joins): 5
-or 6; no global sort (benchmarks/bench_enrich.py counts the jobs Spark runs for them). Outputs, under the run's ``data/`` folder:
+or 6; no global sort (benchmarks/bench_enrich.py counts the jobs Spark runs for them). Outputs, under the run's
+``data/`` folder:
 
 - ``data/enriched/part-*.parquet``: kept rows, files hash-partitioned by uuid and sorted by uuid within each
   (the same files and order on every run of the same inputs and config), with the audit columns of the selection
