@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import pyarrow as pa
-from pyspark import AccumulatorParam, StorageLevel
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -127,11 +127,12 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Dupl
     pairs = candidates.groupBy("band_key").applyInPandas(
         lambda pdf: udfs.verify_bucket(pdf, threshold), schema=spark_schema(udfs.PAIRS),
     ).dropDuplicates(["a_row_id", "b_row_id"])
-    counts = spark.sparkContext.accumulator((0, 0), _PairAccumulator())
+    num_pairs, num_drops = spark.sparkContext.accumulator(0), spark.sparkContext.accumulator(0)
 
     def components(pdf):
         drops = udfs.near_duplicate_drops(pdf)
-        counts.add((len(pdf), len(drops)))
+        num_pairs.add(len(pdf))
+        num_drops.add(len(drops))
         return drops
 
     near = pairs.groupBy(F.lit(0)).applyInPandas(components, schema="row_id long, dup_detail string").select(
@@ -140,22 +141,11 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Dupl
     # different columns, so not one reused exchange) as concurrent stages, each computing pass 1's partitions it
     # finds uncached; pass 2 then reads the exact half's columns from the cache.
     near.count()
-    num_pairs, near_drops = counts.value
     bands, rows = lsh_params(threshold, NUM_PERM)
     log.info("enrich: near-duplicates: %d pairs at estimated Jaccard >= %.2f (LSH %d bands x %d rows), %d rows to "
-             "drop (each cluster keeps its smallest uuid)", num_pairs, threshold, bands, rows, near_drops)
+             "drop (each cluster keeps its smallest uuid)", num_pairs.value, threshold, bands, rows, num_drops.value)
     flags = exact.unionByName(near).persist(StorageLevel.MEMORY_AND_DISK)
-    return Duplicates(flags, near, num_pairs, near_drops)
-
-
-class _PairAccumulator(AccumulatorParam):
-    """Elementwise sum of (pairs, drops)."""
-
-    def zero(self, value):
-        return (0, 0)
-
-    def addInPlace(self, a, b):
-        return (a[0] + b[0], a[1] + b[1])
+    return Duplicates(flags, near, num_pairs.value, num_drops.value)
 
 
 def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
