@@ -141,7 +141,6 @@ def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> Pac
     """Pack ``ds`` (TOKENIZED_COLUMNS rows) into Parquet under ``out``; None when it gave no pack."""
     ds = ds.map_batches(pack_batch, batch_format="pandas", batch_size=PACK_BATCH_ROWS,
                         fn_kwargs={"seq_len": cfg.seq_len, "length_policy": cfg.length_policy})
-    ds.context.execution_options.preserve_order = True  # the same rows always make the same packs (pack_enriched)
     # one pack per row group: a trainer rank reads exactly the packs it trains (raytrain.dataset.packs)
     ds.write_parquet(out.path, filesystem=out.filesystem, row_group_size=PACK_ROW_GROUP_ROWS)
     out_files = _parquet_files(out) if out.exists() else []
