@@ -23,16 +23,7 @@ or 6; no global sort (benchmarks/bench_enrich.py counts the jobs Spark runs for 
 - ``reports/enrich_summary.txt`` here, ``reports/enrich_report.json`` by the runner (the report dict).
 
 Hand-off to Ray Data: training reads the enriched Parquet (``ray.data.read_parquet``, raytrain.dataset.stream),
-not ``ray.data.from_spark``. Chosen by measurement (benchmarks/bench_enrich.py as of 2026-12-03, 2,000 sample rows -> 1,699 kept,
-2 executors, 2-core machine shared with other jobs, load average 3-6): reading the Parquet into a materialized
-Ray Dataset took 2.8 s (best of 2; 0.022 of the 130 s enrichment), ``from_spark`` on the persisted final
-DataFrame 3.8 s (0.030). Both are small next to the enrichment, so the rest decides: the Parquet is written anyway
-(the durable record the manifest vouches for, and what a resumed run re-reads), reading it does not need Spark
-alive, Spark's executors are released before Ray Data and the trainer need the CPUs (the starvation hang in
-FACTS.md), and in the same benchmark a ``read_parquet`` issued after ``from_spark`` in one Ray session died in Ray
-Data's ListFiles actor (twice out of two tries; Ray 2.60 + RayDP 1.6.5). RayDP 1.6.5 converts through its
-"recoverable" path, so ``from_spark`` blocks stayed readable after ``raydp.stop_spark()`` (the README's
-``cleanup_data=False`` advice is about the older conversion).
+not ``ray.data.from_spark`` (why: docs/decisions.md).
 """
 
 from __future__ import annotations

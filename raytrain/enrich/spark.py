@@ -22,7 +22,7 @@ from raytrain.storage import StorageLocation
 
 log = logging.getLogger(__name__)
 
-# Ray's Java serializer reflects into these JDK packages; Java 17 refuses unless they are opened (FACTS.md).
+# Ray's Java serializer reflects into these JDK packages; Java 17 refuses unless they are opened (docs/decisions.md).
 _ADD_OPENS_PACKAGES = (
     "java.base/java.lang", "java.base/java.lang.invoke", "java.base/java.lang.reflect", "java.base/java.io",
     "java.base/java.net", "java.base/java.nio", "java.base/java.nio.charset", "java.base/java.math",
@@ -156,7 +156,7 @@ def spark_session(cfg: EnrichConfig, app_name: str = "raytrain-enrich",
     java = find_java()
     os.environ["JAVA_HOME"] = java.java_home
     os.environ["PATH"] = os.path.join(java.java_home, "bin") + os.pathsep + os.environ.get("PATH", "")
-    # Spark's Python workers start `python3` from PATH unless told: use this interpreter (FACTS.md).
+    # Spark's Python workers start `python3` from PATH unless told: use this interpreter.
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     from raytrain.console import framework_output_captured

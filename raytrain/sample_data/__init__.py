@@ -1,6 +1,6 @@
 """A small synthetic dataset shaped like nvidia/Nemotron-Post-Training-Dataset-v1, with an answer key.
 
-The real dataset cannot be downloaded here (FACTS.md), so demos and tests run on this. Written, as the hub
+The real dataset is not downloaded at run time, so demos and tests run on this. Written, as the hub
 publishes the real one (tool_calling's files are ``tool-*``):
 
     <out_dir>/data/chat-00000-of-00002.parquet, chat-00001-of-00002.parquet, code-0000{0,1}-of-00002.parquet,

@@ -22,7 +22,7 @@ MIN_ROWS_PER_SPLIT = 20
 DEFAULT_ROWS_PER_SPLIT = 64
 DEFAULT_SIZE_SCALE = 0.04
 CARD_BYTES_PER_ROW = {"chat": 5_120, "code": 48_200, "math": 38_700, "stem": 15_950, "tool_calling": 20_640}
-"""Uncompressed bytes per row of each split on the dataset card (num_bytes / num_rows, FACTS.md)."""
+"""Uncompressed bytes per row of each split on the dataset card (num_bytes / num_rows)."""
 LENGTH_SIGMA = 0.9
 """Sigma of the lognormal row lengths: p99 is exp(2.33 * 0.9 - 0.9**2 / 2) ~ 5x the mean, 8x the median."""
 MAX_LENGTH_QUANTILE = 0.995

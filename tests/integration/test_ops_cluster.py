@@ -4,7 +4,7 @@ on different nodes, and raytrain's gauges read back from the nodes' Prometheus e
 One cluster and one training job serve the whole module (2 cores: a training job costs about a minute). The cluster
 is three `ray start --block` processes with 1 CPU each: Ray Train's placement group (2 bundles of 1 CPU, PACK) cannot
 fit on one node, so the two pipeline stages land on two nodes and the third CPU is left for Ray Data's read tasks
-(a trainer holding every CPU starves them: FACTS.md). Every process this module starts runs under its own
+(a trainer holding every CPU starves them: docs/decisions.md). Every process this module starts runs under its own
 `--temp-dir` and session; teardown kills exactly those (never `ray stop`: other Ray clusters share this machine).
 """
 

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# framework -> the package paths allowed to import it (STYLE.md point 3)
+# framework -> the package paths allowed to import it (one package imports each framework)
 ALLOWED = {
     "raydp": ("raytrain/enrich/",),
     "pyspark": ("raytrain/enrich/",),
@@ -60,3 +60,27 @@ def test_public_surface_is_the_entry_points_and_imports_nothing_heavy():
             "assert all(hasattr(raytrain, name) for name in raytrain.__all__)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_nothing_cites_a_file_the_repo_does_not_hold():
+    """A user who clones the repo has only the repo: docs it points to must be in it."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    held = set(listed)
+    offenders = []
+    for rel in listed:
+        path = ROOT / rel
+        if not path.is_file() or path.suffix in {".parquet", ".png", ".gz"} or rel == "tests/unit/test_house_rules.py":
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for name in ("FACTS.md", "STYLE.md", "../shared/"):
+            if name in text:
+                offenders.append(f"{rel} cites {name}")
+        offenders += [f"{rel} cites {doc}" for doc in _cited_docs(text) if doc not in held]
+    assert not offenders, "\n".join(offenders)
+
+
+def _cited_docs(text: str) -> set[str]:
+    """Repo-relative Markdown paths a file names: docs/x.md, cluster/README.md, benchmarks/RESULTS.md."""
+    import re
+
+    return set(re.findall(r"\b((?:docs|cluster|benchmarks)/[A-Za-z0-9_./-]+\.md)\b", text))

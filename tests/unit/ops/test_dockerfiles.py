@@ -106,7 +106,7 @@ def test_java_17_installed_and_java_home_set(name):
 def test_runtime_environment(name):
     env = _env(name)
     assert env["HF_HUB_OFFLINE"] == "1"
-    # FACTS.md: Spark's Python workers start `python3` from PATH unless PYSPARK_PYTHON says otherwise.
+    # docs/decisions.md: Spark's Python workers start `python3` from PATH unless PYSPARK_PYTHON says otherwise.
     assert env["PYSPARK_PYTHON"].startswith("/opt/venv/")
     assert env["PATH"].startswith("/opt/venv/bin:")
 

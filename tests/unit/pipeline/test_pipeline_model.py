@@ -54,7 +54,7 @@ def test_mistral_7b_parameter_count_matches_transformers():
         reference = transformers.MistralForCausalLM(cfg.to_hf())
     hf_count = sum(p.numel() for p in reference.parameters())
     assert sum(layer_parameter_counts(cfg)) == hf_count
-    assert hf_count == 7_241_732_096  # FACTS.md: Mistral-7B-v0.1 built on meta with transformers 5.24
+    assert hf_count == 7_241_732_096  # Mistral-7B-v0.1 built on meta with transformers 5.24 (docs/decisions.md)
 
 
 def test_hf_names_cover_transformers_state_dict_exactly():
