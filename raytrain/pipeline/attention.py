@@ -33,17 +33,29 @@ ATTENTION_IMPLS = ("dense", "segment", "flex")
 module stays importable without the config's dependencies, for benchmarks/gpu_stage_mfu.py on a bare GPU box."""
 
 
+def attention_mask(segment_ids: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Boolean mask (B, 1, T, T), True = may attend: causal AND same segment AND within the sliding window.
+
+    The window counts the query itself, as in Hugging Face (``kv_idx > q_idx - sliding_window``). Every query sees
+    at least itself, so no row is fully masked (which would make softmax NaN).
+    """
+    seq_len = segment_ids.shape[1]
+    idx = torch.arange(seq_len, device=segment_ids.device)
+    allowed = idx[None, :] <= idx[:, None]  # (T, T) [query, key]
+    if sliding_window is not None:
+        allowed = allowed & (idx[:, None] - idx[None, :] < sliding_window)
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+    return (same_segment & allowed)[:, None]  # (B, 1, T, T)
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
                     sliding_window: int | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: dense (B, 1, T, T) mask from ``model.attention_mask``, K/V repeated per query group, SDPA.
+    """Reference: dense (B, 1, T, T) mask from ``attention_mask``, K/V repeated per query group, SDPA.
 
     In: q (B, nh, T, D), k and v (B, nkv, T, D), segment_ids (B, T) int, ``mask`` that mask when already built.
     Out: (B, nh, T, D).
     """
     if mask is None:
-        # Imported here, not at the top: model.py imports this module, and attention_mask stays in model.py.
-        from raytrain.pipeline.model import attention_mask
-
         mask = attention_mask(segment_ids, sliding_window)  # (B, 1, T, T)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # repeat each kv head for its query group: (B, nkv, T, D) -> (B, nh, T, D)
@@ -174,8 +186,6 @@ def prepare_attention(segment_ids: torch.Tensor, sliding_window: int | None, imp
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
     if impl == "dense":
-        from raytrain.pipeline.model import attention_mask
-
         return attention_mask(segment_ids, sliding_window)
     if impl == "segment":
         window_cuts = sliding_window is not None and segment_ids.shape[1] > sliding_window

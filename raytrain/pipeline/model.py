@@ -253,21 +253,6 @@ def model_config(preset: str, init_from: str = "") -> MistralConfig:
     return MistralConfig.preset(preset)
 
 
-def attention_mask(segment_ids: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    """Boolean mask (B, 1, T, T), True = may attend: causal AND same segment AND within the sliding window.
-
-    The window counts the query itself, as in Hugging Face (``kv_idx > q_idx - sliding_window``). Every query sees
-    at least itself, so no row is fully masked (which would make softmax NaN).
-    """
-    seq_len = segment_ids.shape[1]
-    idx = torch.arange(seq_len, device=segment_ids.device)
-    allowed = idx[None, :] <= idx[:, None]  # (T, T) [query, key]
-    if sliding_window is not None:
-        allowed = allowed & (idx[:, None] - idx[None, :] < sliding_window)
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
-    return (same_segment & allowed)[:, None]  # (B, 1, T, T)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE over packed documents; the kernel is chosen by
     ``raytrain.pipeline.attention.packed_attention`` ("dense": SDPA with an explicit mask, the default)."""
@@ -539,6 +524,6 @@ def layer_parameter_counts(cfg: MistralConfig) -> list[int]:
 
 __all__ = [
     "IGNORE_INDEX", "MistralConfig", "model_config", "RMSNorm", "Attention", "MLP", "EmbeddingPipe", "DecoderLayerPipe",
-    "FinalNormPipe", "LMHeadPipe", "attention_mask", "rope_cos_sin", "init_weights", "layer_constructors",
+    "FinalNormPipe", "LMHeadPipe", "rope_cos_sin", "init_weights", "layer_constructors",
     "build_sequential", "causal_lm_loss", "check_num_stages", "hf_prefix", "layer_parameter_counts",
 ]
