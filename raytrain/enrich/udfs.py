@@ -173,14 +173,6 @@ def near_duplicate_drops(pairs: pd.DataFrame) -> pd.DataFrame:
 
 
 # ---- relevance selection -----------------------------------------------------------------------------------------
-def _configure_threads(num_threads: int) -> None:
-    # A Spark Python worker should use its executor's cores, not every core of the machine (oversubscription).
-    import torch
-
-    if torch.get_num_threads() != num_threads:
-        torch.set_num_threads(num_threads)
-
-
 def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: int, min_score: float,
                  question_weight: float, system_prompt: str = "keep", answer_text: str = "final",
                  num_threads: int = 0) -> pd.DataFrame:
@@ -195,10 +187,10 @@ def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: 
     answer_text)``. One ``encode`` call per batch (model loaded once per process); rows without candidates are
     not embedded and keep their messages.
     """
-    from raytrain.enrich.relevance import load_embedder, score_batch
+    from raytrain.enrich.relevance import configure_threads, load_embedder, score_batch
 
     if num_threads:
-        _configure_threads(num_threads)
+        configure_threads(num_threads)
     records = pdf.to_dict("records")
     conversations = [json.loads(r["messages_json"]) for r in records]
     contexts = []

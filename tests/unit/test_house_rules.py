@@ -84,3 +84,46 @@ def _cited_docs(text: str) -> set[str]:
     import re
 
     return set(re.findall(r"\b((?:docs|cluster|benchmarks)/[A-Za-z0-9_./-]+\.md)\b", text))
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _raytrain_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """raytrain modules `path` imports anywhere (top level or inside functions), `from x import y` resolved to the
+    module x.y when that is a module."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in modules:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+            found.update(subs or {node.module})
+    return found
+
+
+def test_no_import_cycle_between_raytrain_modules():
+    """Each module's imports (including those inside functions) point one way: no module needs one that needs it."""
+    paths = {_module_name(p): p for p in (ROOT / "raytrain").rglob("*.py")}
+    graph = {m: _raytrain_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    cycles = []
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if n.startswith(m + ".") or m.startswith(n + "."):
+                continue  # a package and its own modules (__init__ re-exports) are one unit
+            if state.get(n) == 1:
+                cycles.append(" -> ".join(stack[stack.index(n):] + [n]))
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "\n".join(cycles)
