@@ -60,8 +60,6 @@ def _write_packed(job, num_conversations: int):
     enriched.mkdirs()
     pq.write_table(pa.Table.from_pandas(tokenize_frame(pa.table(rows).to_pandas(), job.dataset.tokenizer), preserve_index=False), enriched.join("part-00000.parquet").path)
     packed = pack_enriched(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
-    # `raytrain enrich` would have created reports/; the trainer writes into it without creating it (bug reported)
-    run.root.join("reports").mkdirs()
     return packed
 
 

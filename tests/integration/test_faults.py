@@ -91,13 +91,6 @@ def copy_run_data(src_run, dst_run, *, checkpoints: bool = False) -> None:
     names = ("data", "checkpoints") if checkpoints else ("data",)
     for name in names:
         shutil.copytree(src_run.root.join(name).path, dst_run.root.join(name).path)
-    ensure_reports_dir(dst_run)
-
-
-def ensure_reports_dir(run) -> None:
-    # The train loop appends reports/metrics.jsonl without creating reports/ (the enrich stage normally has);
-    # a train-only run on pre-packed data needs it made first. Reported to the lead as a loop.py fix.
-    os.makedirs(run.root.join("reports").path, exist_ok=True)
 
 
 @dataclass
@@ -168,7 +161,6 @@ def reference(runs_root):
     run = open_run(job)
     packed = pack_enriched(resolve(str(enriched)), run.root.join("data", "packed"), job.dataset, run.data_hash)
     assert packed.num_packs >= 2 * job.train.global_batch_size
-    ensure_reports_dir(run)
     t0 = time.perf_counter()
     summary = run_train(job)
     return {"job": job, "run": run, "summary": summary, "seconds": time.perf_counter() - t0}

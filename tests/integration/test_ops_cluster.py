@@ -278,9 +278,6 @@ def prepack_run(cluster_address: str, storage_root: str, overrides: list[str]):
         packed = pack_enriched(resolve(enriched), run.root.join("data", "packed"), job.dataset, run.data_hash)
     finally:
         ray.shutdown()
-    # An earlier enrich leaves reports/enrich_report.json; the trainer's workers append to reports/ and do not
-    # create it (see the report: loop.py should).
-    run.root.join("reports").mkdirs()
     return packed
 
 

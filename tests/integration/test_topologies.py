@@ -62,15 +62,7 @@ def write_packed(job, num_conversations: int):
     pq.write_table(pa.Table.from_pandas(tokenize_frame(synthetic_conversations(num_conversations).to_pandas(), job.dataset.tokenizer), preserve_index=False),
                    enriched.join("part-00000.parquet").path)
     packed = pack_enriched(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
-    ensure_reports_dir(job)
     return packed
-
-
-def ensure_reports_dir(job) -> None:
-    """Create <run>/reports, which `raytrain enrich` would have made (its report goes there). Workaround: the
-    trainer writes metrics.jsonl / data_trace / param_digest files into it without creating it, so run_train on a
-    run whose packed data did not come from the enrich stage fails with FileNotFoundError."""
-    open_run(job).root.join("reports").mkdirs()
 
 
 def make_job(root, run_name: str, *overrides: str):
@@ -86,7 +78,6 @@ def copy_packed(src_job, dst_job) -> None:
     """Same packed data for another run (same data hash: only train.* differs)."""
     shutil.copytree(open_run(src_job).root.join("data", "packed").path,
                     open_run(dst_job).root.join("data", "packed").path)
-    ensure_reports_dir(dst_job)
 
 
 def read_reports(job) -> dict:

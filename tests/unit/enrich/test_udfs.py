@@ -50,7 +50,7 @@ def _work_row(uuid, messages, **kw):
                                             "messages": messages, "row_id": kw.get("row_id", 0), "split": "chat"}]),
                              eval_index=build_sorted_index([]), **PREPARE)
     assert out["status"].tolist() == [udfs.OK]
-    return out[list(udfs.PREPARED.names[:12])]
+    return out[list(udfs.ROW.names)]
 
 
 def test_prepare_batch_matches_the_reference_functions(sample_batch):
