@@ -18,7 +18,8 @@ from raytrain.dataset.stream import PackedData
 from raytrain.errors import RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.storage import StorageLocation
-from raytrain.trainer.loop import train_loop_per_worker
+from raytrain.trainer.evaluation import PackedFiles
+from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
 from raytrain.trainer.schedule import check_enough_packs
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,9 @@ def _evaluable(subset: PackedData | None, name: str, micro_batch_size: int, dp: 
     return subset
 
 
-def _files_of(packed: PackedData) -> dict[str, Any]:
+def _files_of(packed: PackedData) -> PackedFiles:
     """Where a worker finds a packed set: folder URI, file names in the fixed order, number of packs."""
-    return {"uri": packed.location.uri, "files": [p.rsplit("/", 1)[-1] for p in packed.files],
-            "num_packs": packed.num_packs}
+    return PackedFiles(packed.location.uri, tuple(p.rsplit("/", 1)[-1] for p in packed.files), packed.num_packs)
 
 
 def user_error(error: BaseException) -> RaytrainError | None:
@@ -97,20 +97,16 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
                             "train.wandb_mode=online, or use a run root on a shared filesystem")
     if run_root.is_posix:
         run_root.join("reports").mkdirs()  # workers append metrics and data traces here
-    loop_config = {
-        "job": job,
-        "run_uri": run_root.uri,
-        "ds_config": ds_config,
-        "packed": _files_of(packed),
-        "validation": _files_of(validation) if validation is not None else None,
-        "benchmark": _files_of(benchmark) if benchmark is not None else None,
-        "local_reports_dir": run_root.join("reports").path if run_root.scheme == "file" else None,
-        "versions": software_versions(),
-    }
+    loop_config = LoopConfig(
+        job=job, run_uri=run_root.uri, ds_config=ds_config, packed=_files_of(packed),
+        validation=_files_of(validation) if validation is not None else None,
+        benchmark=_files_of(benchmark) if benchmark is not None else None,
+        local_reports_dir=run_root.join("reports").path if run_root.scheme == "file" else None,
+        versions=software_versions())
     storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={"loop": loop_config},
         torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu,
                                      resources_per_worker=tc.worker_resources() or None,

@@ -1,6 +1,9 @@
 """The per-worker training loop: one TorchTrainer worker hosts one stage of one pipeline replica.
 
-setup (process group, stage engine, resume) -> train (steps, metrics, checkpoints) -> done. Reads top to bottom.
+``train_loop_per_worker`` builds the stage (process group, DeepSpeed engine) and calls ``train``: resume, then per
+step train_batch -> metrics -> evaluation when due -> one MetricsSink -> checkpoint when due. ``train`` takes the
+stage engine, the pack reader and Ray's report as arguments, so its control flow is unit-tested with fakes
+(tests/unit/trainer/test_loop_control.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray.train
@@ -19,241 +24,176 @@ import torch.distributed as dist
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig
-from raytrain.dataset.labels import IGNORE_INDEX
-from raytrain.dataset.packs import PackReader
-from raytrain.dataset.stream import stream_micro_batches
 from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
 from raytrain.storage import resolve
-from raytrain.telemetry import record_train_step
-from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
-from raytrain.trainer.schedule import Topology, check_resume_position, data_position, validation_micro_batches_of
-from raytrain.trainer.tracking import Trackers
+from raytrain.trainer.evaluation import Evaluator, OpenPacks, PackedFiles, PackSource, Samples
+from raytrain.trainer.feed import FeedTrace, micro_batches
+from raytrain.trainer.metrics_sink import MetricsSink
+from raytrain.trainer.schedule import Topology, check_resume_position, data_position
 
 log = logging.getLogger(__name__)
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Entry point run by every TorchTrainer worker. `loop_config` (pickled to the workers): job (the JobConfig),
-    run_uri, ds_config, packed / validation / benchmark (folder URI, file names, number of packs), versions."""
+@dataclass(frozen=True)
+class LoopConfig:
+    """What every TorchTrainer worker is handed (pickled), built by raytrain.trainer.launch."""
+
+    job: JobConfig
+    run_uri: str
+    """The run's root (checkpoints/ and reports/ below it)."""
+    ds_config: dict[str, Any]
+    """DeepSpeed's config, derived from train.ds_config and the batch sizes."""
+    packed: PackedFiles
+    """The training packs."""
+    validation: PackedFiles | None = None
+    """The held-out packs (eval_loss), None when none or too few for dp."""
+    benchmark: PackedFiles | None = None
+    """The eval sets' items (benchmark_loss), None when none."""
+    local_reports_dir: str | None = None
+    """<run>/reports on a POSIX run root (metrics.jsonl, TensorBoard, traces); None on object stores."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """Software versions recorded in each checkpoint's manifest."""
+
+
+def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
+    """Entry point run by every TorchTrainer worker (``train_loop_config={"loop": LoopConfig}``): build this
+    worker's pipeline stage as DeepSpeed's grid places it, then train."""
     from raytrain.pipeline.engine import build_stage_engine, init_distributed
 
-    job: JobConfig = loop_config["job"]
-    tc = job.train
+    cfg = config["loop"]
+    job, tc = cfg.job, cfg.job.train
     torch.manual_seed(tc.seed)
-
-    # ---- setup -------------------------------------------------------------------------------------------------
     init_distributed("nccl" if tc.use_gpu else "gloo")
     model_cfg = model_config(job.model.preset, job.model.init_from)
-    stage = build_stage_engine(model_cfg, loop_config["ds_config"], pp=tc.pp, dp=tc.dp,
-                               partition_method=tc.partition_method,
+    stage = build_stage_engine(model_cfg, cfg.ds_config, pp=tc.pp, dp=tc.dp, partition_method=tc.partition_method,
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,
                                activation_checkpoint_reentrant=tc.activation_checkpoint_reentrant,
                                seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl)
-    # where this worker sits, as DeepSpeed's grid placed it
+    endpoint = job.storage.s3_endpoint or None
+    store = CheckpointStore(resolve(cfg.run_uri, s3_endpoint=endpoint), keep_last=tc.keep_last,
+                            keep_best=tc.keep_best or None, on_corrupt=tc.on_corrupt_checkpoint)
+    train(cfg, stage, store, lambda packed: PackSource(packed, endpoint), report=ray.train.report,
+          mfu_of=lambda tokens_per_s: mfu(tokens_per_s, model_cfg, job.dataset.seq_len,
+                                                   tc.peak_tflops * 1e12 * tc.num_workers))
+
+
+def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenPacks, *,
+          report: Callable[[dict[str, Any]], None], mfu_of: Callable[[float], float]) -> int:
+    """setup (resume, data, evaluation, outputs) -> steps -> close; returns the last step.
+
+    ``stage`` is a raytrain.pipeline.engine.StageEngine (a fake in tests), ``open_packs`` reads packed sets,
+    ``report`` is ``ray.train.report``, ``mfu_of`` turns tokens/s into MFU (used when train.peak_tflops)."""
+    job, tc = cfg.job, cfg.job.train
     topo = Topology(pp=stage.num_stages, dp=stage.num_replicas, stage=stage.stage, dp_rank=stage.dp_rank,
                     world_rank=stage.world_rank)
-
-    run_root = resolve(loop_config["run_uri"], s3_endpoint=job.storage.s3_endpoint or None)
-    store = CheckpointStore(run_root, keep_last=tc.keep_last, keep_best=tc.keep_best or None,
-                            on_corrupt=tc.on_corrupt_checkpoint)
     step, resumed_metrics = _resume(stage, store, topo, tc)
-
-    # ---- data: first and last stages read their replica's packs in the epoch's order (raytrain.trainer.feed) ----
-    trace = FeedTrace()
-    data_iter = None
-    read_stats: dict[str, int] = {}
-    endpoint = job.storage.s3_endpoint or None
-    packed = loop_config["packed"]
-    if topo.needs_data:
-        counts = PackReader(packed["uri"], packed["files"], endpoint).counts()
-
-        def read(own: list) -> Any:
-            return stream_micro_batches(packed["uri"], tuple(packed["files"]), endpoint, own, tc.micro_batch_size,
-                                        read_stats)
-
-        data_iter = micro_batches(counts, read, micro_batch_size=tc.micro_batch_size,
-                                  start_position=data_position(step, tc.dp, tc.grad_accum_steps),
-                                  dp_rank=topo.dp_rank, dp=tc.dp, grad_accum_steps=tc.grad_accum_steps,
-                                  seed=tc.seed, shuffle=tc.shuffle, trace=trace)
-
-    # ---- evaluation sets: the held-out validation packs (eval_loss) and the benchmark items (benchmark_loss); each
-    # evaluated whole, dp replicas sharing its micro-batches; read once, then kept in memory ---------------------
-    eval_sets = {metric: loop_config[name] for name, metric in (("validation", "eval_loss"),
-                                                                ("benchmark", "benchmark_loss"))
-                 if loop_config.get(name)}
-    own_eval: dict[str, list[Any]] = {}
-
-    def evaluate(metric: str) -> float:
-        held = eval_sets[metric]
-        count = validation_micro_batches_of(topo.dp_rank, tc.dp, held["num_packs"], tc.micro_batch_size)
-        eval_iter = None
-        if topo.needs_data:
-            if metric not in own_eval:
-                reader = PackReader(held["uri"], held["files"], endpoint)
-                mbs, total = tc.micro_batch_size, held["num_packs"]
-                batches = (reader.read(range(i, min(i + mbs, total))) for i in range(0, total, mbs))
-                own, _targets = validation_micro_batches(batches, micro_batch_size=mbs, dp_rank=topo.dp_rank,
-                                                         dp=tc.dp)
-                assert len(own) == count, f"{metric}: read {len(own)} micro-batches, expected {count}"
-                own_eval[metric] = own
-            eval_iter = iter(own_eval[metric])
-        return stage.eval_loss(eval_iter, count)
-
-    # ---- train -------------------------------------------------------------------------------------------------
-    seq_len = job.dataset.seq_len
-    tokens_per_step = tc.global_batch_size * seq_len
-    bubble = pipeline_bubble_fraction(tc.grad_accum_steps, tc.pp)
-    reports_dir = loop_config.get("local_reports_dir")
-    metrics_path = os.path.join(reports_dir, "metrics.jsonl") if reports_dir else None
-    # rank 0 (a data-reading first stage) writes TensorBoard events: `tensorboard --logdir <run>/reports/tensorboard`
-    board = _tensorboard(os.path.join(reports_dir, "tensorboard"), step) if reports_dir and topo.world_rank == 0 \
-        else None
-    samples = _Samples(stage, job, topo, eval_sets.get("eval_loss"), endpoint, reports_dir) \
-        if tc.sample_new_tokens and "eval_loss" in eval_sets else None
-    trackers = Trackers(job, reports_dir, topo.world_rank)  # MLflow / W&B on request (train.tracking), rank 0
+    train_packs = open_packs(cfg.packed)
+    feed = _Feed(train_packs, topo, tc, step) if topo.needs_data else None
+    held = {metric: open_packs(packed) for metric, packed in (("eval_loss", cfg.validation),
+                                                              ("benchmark_loss", cfg.benchmark)) if packed}
+    evaluator = Evaluator(stage, topo, job, held)
+    samples = Samples(stage, job, topo, held["eval_loss"], cfg.local_reports_dir) \
+        if tc.sample_new_tokens and "eval_loss" in held else None
+    sink = MetricsSink(job, topo, cfg.local_reports_dir, step, {m: s.num_packs for m, s in held.items()}, report)
+    clock = _StepClock(job, topo, step, int(resumed_metrics.get("tokens_seen") or 0), mfu_of)
     end_step = tc.stop_at_step or tc.max_steps
-    tokens_seen = int(resumed_metrics.get("tokens_seen") or 0)
-    launch_t0, launch_step = time.perf_counter(), step
-    while step < end_step:
-        t0 = time.perf_counter()
-        consumed_before = len(trace.consumed)
-        loss = stage.train_batch(data_iter)
-        step_time_s = time.perf_counter() - t0
-        step += 1
-        tokens_per_s = tokens_per_step / step_time_s
-        # real (non-padding) tokens of the global batch, counted by this rank's feed (ranks without one: None)
-        real_tokens = trace.step_tokens[-1] if trace.step_tokens else None
-        tokens_seen += real_tokens or 0
-        seconds_per_step = (time.perf_counter() - launch_t0) / (step - launch_step)
-        metrics = {
+    try:
+        while step < end_step:
+            consumed_before = feed.consumed_count() if feed else 0
+            t0 = time.perf_counter()
+            loss = stage.train_batch(feed.iterator if feed else None)
+            step += 1
+            metrics = clock.metrics(step, end_step, loss, time.perf_counter() - t0, stage, feed)
+            if evaluator.due(step, end_step):
+                metrics.update(evaluator.run())
+            sink.step(metrics, feed.consumed_since(consumed_before) if feed else [])
+            if step % tc.checkpoint_every == 0 or step == end_step:
+                _save_checkpoint(store, stage, step, cfg, metrics)
+                sink.checkpoint(step, store.root.uri)
+                if samples is not None:
+                    samples.generate(step)
+            sink.report(metrics)
+    finally:
+        sink.close()
+    if feed is not None:
+        feed.print_summary(topo)
+    if cfg.local_reports_dir:
+        _write_param_digests(stage, topo, step, cfg.local_reports_dir)
+    return step
+
+
+class _Feed:
+    """This replica's training micro-batches from ``step`` on (raytrain.trainer.feed), with what it consumed."""
+
+    def __init__(self, packs: PackSource, topo: Topology, tc: Any, step: int) -> None:
+        self.packs, self.trace = packs, FeedTrace()
+        self.counts = packs.counts()
+        self.iterator = micro_batches(self.counts, lambda own: packs.stream(own, tc.micro_batch_size),
+                                      micro_batch_size=tc.micro_batch_size,
+                                      start_position=data_position(step, tc.dp, tc.grad_accum_steps),
+                                      dp_rank=topo.dp_rank, dp=tc.dp, grad_accum_steps=tc.grad_accum_steps,
+                                      seed=tc.seed, shuffle=tc.shuffle, trace=self.trace)
+
+    def consumed_count(self) -> int:
+        return len(self.trace.consumed)
+
+    def consumed_since(self, count: int) -> list[tuple[int, str]]:
+        return self.trace.consumed[count:]
+
+    def print_summary(self, topo: Topology) -> None:
+        stats = self.packs.read_stats
+        print(f"[raytrain] rank {topo.world_rank} (stage {topo.stage}, replica {topo.dp_rank}) read "
+              f"{stats.get('packs_read', 0)} of {self.counts.num_packs} packs, "
+              f"{stats.get('bytes_read', 0) / 2**10:,.0f} KiB of Parquet this launch", flush=True)
+
+
+class _StepClock:
+    """A step's metrics from its loss and duration: throughput, real tokens (this rank's feed counts them; ranks
+    without one report None), tokens seen (carried over a resume), ETA over this launch's steps, MFU."""
+
+    def __init__(self, job: JobConfig, topo: Topology, step: int, tokens_seen: int,
+                 mfu_of: Callable[[float], float]) -> None:
+        self.job, self.topo, self.tokens_seen, self.mfu_of = job, topo, tokens_seen, mfu_of
+        self.tokens_per_step = job.train.global_batch_size * job.dataset.seq_len
+        self.bubble = pipeline_bubble_fraction(job.train.grad_accum_steps, job.train.pp)
+        self.launch_t0, self.launch_step = time.perf_counter(), step
+
+    def metrics(self, step: int, end_step: int, loss: float, step_time_s: float, stage: Any,
+                feed: _Feed | None) -> dict[str, Any]:
+        tc, topo = self.job.train, self.topo
+        trace = feed.trace if feed else None
+        tokens_per_s = self.tokens_per_step / step_time_s
+        real_tokens = trace.step_tokens[-1] if trace and trace.step_tokens else None
+        self.tokens_seen += real_tokens or 0
+        seconds_per_step = (time.perf_counter() - self.launch_t0) / (step - self.launch_step)
+        return {
             "step": step, "loss": loss, "lr": stage.lr(), "grad_norm": stage.grad_norm(),
             "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
             "real_tokens": real_tokens, "real_tokens_per_s": real_tokens / step_time_s if real_tokens else None,
-            "target_tokens": trace.step_targets[-1] if trace.step_targets else None,
-            "tokens_seen": tokens_seen if topo.needs_data else None,
+            "target_tokens": trace.step_targets[-1] if trace and trace.step_targets else None,
+            "tokens_seen": self.tokens_seen if topo.needs_data else None,
             "eta_s": seconds_per_step * (end_step - step),
             "samples_per_s": tc.global_batch_size / step_time_s,
-            "pipeline_bubble": bubble, "stage": topo.stage, "dp_rank": topo.dp_rank,
-            "mfu": mfu(tokens_per_s, model_cfg, seq_len, tc.peak_tflops * 1e12 * tc.num_workers) if tc.peak_tflops else None,
+            "pipeline_bubble": self.bubble, "stage": topo.stage, "dp_rank": topo.dp_rank,
+            "mfu": self.mfu_of(tokens_per_s) if tc.peak_tflops else None,
             "data_position": data_position(step, tc.dp, tc.grad_accum_steps),
         }
-        if eval_sets and (step == end_step or (tc.eval_every and step % tc.eval_every == 0)):
-            t_eval = time.perf_counter()
-            for metric in eval_sets:
-                metrics[metric] = evaluate(metric)
-            metrics["eval_time_s"] = time.perf_counter() - t_eval
-        record_train_step(job.storage.run_name, topo.stage, topo.dp_rank, metrics)
-        if topo.world_rank == 0:
-            grad_norm = f" grad norm {metrics['grad_norm']:.3f}" if metrics["grad_norm"] is not None else ""
-            print(f"[raytrain] step {step}/{tc.max_steps} loss {loss:.4f} lr {metrics['lr']:.2e}{grad_norm} "
-                  f"{metrics['real_tokens_per_s'] or tokens_per_s:,.0f} tok/s {step_time_s:.2f}s "
-                  f"eta {metrics['eta_s']:.0f}s", flush=True)
-            if "eval_time_s" in metrics:
-                parts = [f"{label} {metrics[metric]:.4f} on {eval_sets[metric]['num_packs']} {what}"
-                         for metric, label, what in (("eval_loss", "eval loss", "held-out sequences"),
-                                                     ("benchmark_loss", "benchmark loss", "eval-set sequences"))
-                         if metric in metrics]
-                print(f"[raytrain] step {step}/{tc.max_steps} {', '.join(parts)} ({metrics['eval_time_s']:.1f}s)",
-                      flush=True)
-            if metrics_path:
-                with open(metrics_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(metrics) + "\n")
-            if board is not None:
-                for name in TENSORBOARD_SCALARS:
-                    if metrics.get(name) is not None:
-                        board.add_scalar(f"train/{name}", metrics[name], step)
-                if "eval_loss" in metrics:
-                    board.add_scalar("eval/loss", metrics["eval_loss"], step)
-                if "benchmark_loss" in metrics:
-                    board.add_scalar("eval/benchmark_loss", metrics["benchmark_loss"], step)
-                board.flush()
-            trackers.log(metrics, step)
-        if topo.needs_data and loop_config.get("local_reports_dir"):
-            with open(os.path.join(loop_config["local_reports_dir"], f"data_trace_rank{topo.world_rank}.jsonl"),
-                      "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank,
-                                    "consumed": trace.consumed[consumed_before:]}) + "\n")
 
-        if step % tc.checkpoint_every == 0 or step == end_step:
-            _save_checkpoint(store, stage, step, job, loop_config, metrics)
-            if topo.world_rank == 0:
-                print(f"[raytrain] checkpoint step {step} -> {run_root.join('checkpoints').uri}", flush=True)
-            if samples is not None:
-                samples.generate(step)
-        ray.train.report({k: v for k, v in metrics.items() if v is not None})
 
-    if board is not None:
-        board.close()
-    trackers.close()
-    if topo.needs_data:
-        print(f"[raytrain] rank {topo.world_rank} (stage {topo.stage}, replica {topo.dp_rank}) read "
-              f"{read_stats.get('packs_read', 0)} of {counts.num_packs} packs, "
-              f"{read_stats.get('bytes_read', 0) / 2**10:,.0f} KiB of Parquet this launch", flush=True)
-    stage_parameters = sum(p.numel() for p in stage.engine.module.parameters())
-    if loop_config.get("local_reports_dir") and stage_parameters <= PARAM_DIGEST_MAX_PARAMETERS:
-        # Parameter digests per rank: data-parallel replicas of one stage must hold identical weights.
-        digests = {name: hashlib.sha256(p.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
-                   for name, p in stage.engine.module.named_parameters()}
-        with open(os.path.join(loop_config["local_reports_dir"], f"param_digest_rank{topo.world_rank}.json"), "w",
-                  encoding="utf-8") as f:
-            json.dump({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank, "digests": digests}, f)
+def _write_param_digests(stage: Any, topo: Topology, step: int, reports_dir: str) -> None:
+    """Parameter digests per rank: data-parallel replicas of one stage must hold identical weights."""
+    if sum(p.numel() for p in stage.engine.module.parameters()) > PARAM_DIGEST_MAX_PARAMETERS:
+        return
+    digests = {name: hashlib.sha256(p.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+               for name, p in stage.engine.module.named_parameters()}
+    with open(os.path.join(reports_dir, f"param_digest_rank{topo.world_rank}.json"), "w", encoding="utf-8") as f:
+        json.dump({"step": step, "stage": topo.stage, "dp_rank": topo.dp_rank, "digests": digests}, f)
 
 
 PARAM_DIGEST_MAX_PARAMETERS = 50_000_000
 """Stages above this many parameters write no end-of-run parameter digests (an fp32 CPU copy of each parameter:
 the tests' tiny models check dp replicas with them; a 7B stage would copy gigabytes for an audit no one reads)."""
-
-
-class _Samples:
-    """Greedy generations at each checkpoint on the first micro_batch_size validation prompts (the first document
-    of each of the first validation packs, up to its first target token); rank 0 writes them with the reference
-    answers to reports/samples.jsonl."""
-
-    def __init__(self, stage: Any, job: JobConfig, topo: Topology, held: dict[str, Any], endpoint: str | None,
-                 reports_dir: str | None) -> None:
-        from raytrain.dataset.tokenize import load_tokenizer
-
-        self.stage, self.job = stage, job
-        self.path = os.path.join(reports_dir, "samples.jsonl") if reports_dir and topo.world_rank == 0 else None
-        self.tokenizer = load_tokenizer(job.dataset.tokenizer)
-        self.count = min(job.train.micro_batch_size, held["num_packs"])
-        self.prompts: list[list[int]] | None = None
-        self.references: list[list[int]] = []
-        if topo.needs_data:
-            batch = PackReader(held["uri"], held["files"], endpoint).read(range(self.count))
-            self.prompts = []
-            for ids, labels, segments in zip(batch["input_ids"], batch["labels"], batch["segment_ids"], strict=True):
-                first = segments == segments[0]  # the pack's first document
-                start = int((labels[first] != IGNORE_INDEX).argmax())  # labels[t] is token t + 1: answer at t + 1
-                self.prompts.append(ids[first][:start + 1].tolist())
-                self.references.append(ids[first][start + 1:].tolist())
-
-    def generate(self, step: int) -> None:
-        tc = self.job.train
-        inner = self.tokenizer.instruct_tokenizer.tokenizer
-        new = self.stage.greedy_generate(self.prompts, num_prompts=self.count, micro_batch_size=tc.micro_batch_size,
-                                         seq_len=self.job.dataset.seq_len, max_new_tokens=tc.sample_new_tokens,
-                                         eos_id=inner.eos_id)
-        if self.path is None:
-            return
-        with open(self.path, "a", encoding="utf-8") as f:
-            for prompt, reference, tokens in zip(self.prompts or [], self.references, new, strict=True):
-                f.write(json.dumps({"step": step, "prompt": inner.decode(prompt), "reference": inner.decode(reference),
-                                    "generated": inner.decode(tokens), "prompt_ids": prompt,
-                                    "generated_ids": tokens}) + "\n")
-        print(f"[raytrain] step {step}: {len(new)} sample generations -> {self.path}", flush=True)
-
-
-TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "real_tokens_per_s", "tokens_seen", "step_time_s", "mfu")
-"""Step metrics written as TensorBoard scalars ``train/<name>``."""
-
-
-def _tensorboard(logdir: str, step: int) -> Any:
-    """A tensorboardX writer; a resumed run purges events after its checkpoint's step, so curves do not fold back."""
-    from tensorboardX import SummaryWriter
-
-    return SummaryWriter(logdir=logdir, purge_step=step + 1 if step else None)
 
 
 def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tuple[int, dict[str, Any]]:
@@ -294,11 +234,10 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     return step, dict(ckpt.manifest.get("metadata", {}).get("metrics") or {})
 
 
-def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConfig,
-                     loop_config: dict[str, Any], metrics: dict[str, Any]) -> None:
+def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, cfg: LoopConfig, metrics: dict[str, Any]) -> None:
     """Every rank writes its shard into the step's staging dir and hashes its share of the files; rank 0 commits
     (the manifest from the ranks' recorded sizes and hashes) after all have finished."""
-    tc = job.train
+    job, tc = cfg.job, cfg.job.train
     client_state = {"step": step, "data_position": data_position(step, tc.dp, tc.grad_accum_steps)}
     staging = store.staging_dir(step)
     stage.save(staging, client_state)
@@ -309,7 +248,7 @@ def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConf
     if dist.get_rank() == 0:
         store.commit(step, {
             "step": step, "data_position": client_state["data_position"], "metrics": metrics,
-            "config": job.to_dict(), "config_hash": job.config_hash(), "versions": loop_config.get("versions", {}),
+            "config": job.to_dict(), "config_hash": job.config_hash(), "versions": cfg.versions,
             "world": {"pp": tc.pp, "dp": tc.dp}, "model": job.model.preset,
         })
     dist.barrier()  # nobody races ahead to the next save while the commit renames the directory
