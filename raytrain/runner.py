@@ -161,7 +161,7 @@ def write_report(run: Run, name: str, report: dict[str, Any]) -> StorageLocation
 def run_enrich_and_pack(run: Run):
     """Enrich + tokenize/pack unless this run already holds packed sequences for the same settings."""
     from raytrain.dataset.stream import load_packed, pack_enriched
-    from raytrain.enrich.job import load_eval_texts, run_enrich
+    from raytrain.enrich.job import run_enrich
 
     packed_loc = run.root.join("data", "packed")
     packed = load_packed(packed_loc, run.data_hash)
@@ -172,8 +172,8 @@ def run_enrich_and_pack(run: Run):
     result = run_enrich(run.job, input_root, run.root, eval_sets=eval_sets)
     write_report(run, "enrich_report.json", result.report)
     # the eval sets' question/answer items also give the benchmark loss (raytrain.dataset.stream)
-    records = load_eval_texts(eval_sets, input_root, run.job.storage.s3_endpoint or None).records
-    return pack_enriched(result.enriched, packed_loc, run.job.dataset, run.data_hash, eval_records=records)
+    return pack_enriched(result.enriched, packed_loc, run.job.dataset, run.data_hash,
+                         eval_records=result.evals.records)
 
 
 def command_log(job: JobConfig, command: str) -> str:

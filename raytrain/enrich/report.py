@@ -1,12 +1,16 @@
-"""The enrichment's bookkeeping, pure: per-step counts, run-report dicts, and the readable summary.
+"""The enrichment's bookkeeping, pure: per-step counts, the run report, and the readable summary.
 
-No Spark here; the job fills these from counts it collected.
+No Spark here: the job (raytrain.enrich.job) collects the counts and hands them over as a ``Tally``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from raytrain.config import JobConfig
+from raytrain.enrich.plan import EnrichPlan
+from raytrain.storage import MANIFEST, StorageLocation
 
 STEP_REASONS_AFTER_DERIVE = ("license", "exact_duplicate", "near_duplicate", "contaminated", "untokenizable",
                              "too_many_tokens")
@@ -64,6 +68,116 @@ def dedup_ratio(steps: list[StepCounts]) -> float:
         return 0.0
     removed = sum(sum(by_name[n].quarantined.values()) for n in ("exact_dedup", "near_dedup") if n in by_name)
     return round(removed / first.rows_in, 6)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What the enrichment did, counted: the status rollups (``rows``: overall and per split; ``sentences``: the
+    selection's distributions), per-reason and per-step counts, the written files (from their footers) and the
+    contaminated rows."""
+
+    rows: dict[str, Any]
+    sentences: dict[str, Any]
+    per_reason: dict[str, int]
+    per_split_reason: dict[str, dict[str, int]]
+    """Split -> reason -> rows quarantined (splits with none left out)."""
+    counts: list[StepCounts]
+    rows_out: int
+    enriched_files: list[str]
+    quarantine_files: list[str]
+    quarantine_rows: int
+    contaminated: list[dict[str, Any]]
+
+
+def build_report(job: JobConfig, plan: EnrichPlan, tally: Tally, passes: dict[str, float], corpus: dict[str, Any],
+                 *, run_root: StorageLocation, enriched: StorageLocation, quarantine: StorageLocation,
+                 seconds: float) -> dict[str, Any]:
+    """The run report (reports/enrich_report.json; ``summary_text`` reads it): counts per split and reason, the
+    steps, decontamination, selection and token-length distributions, inputs, corpus, pass times."""
+    cfg = job.enrich
+    rows, overall = tally.rows, tally.rows["overall"]
+    per_split = {k: v for k, v in rows["per_split"].items() if v["rows"]}
+    report: dict[str, Any] = {
+        "run_uri": run_root.uri, "config_hash": job.data_hash(),
+        "rows_in": plan.rows_in, "rows_in_per_split": plan.rows_per_split, "rows_out": tally.rows_out,
+        "quarantined": tally.per_reason, "quarantined_total": sum(tally.per_reason.values()),
+        "quarantined_per_split": tally.per_split_reason,
+        "rows_out_per_split": {k: v["rows"] for k, v in per_split.items()},
+        "steps": [c.to_dict() for c in tally.counts], "dedup_ratio": dedup_ratio(tally.counts),
+        "passes": {k: round(v, 2) for k, v in passes.items()},
+        "decontamination": {"count": len(tally.contaminated), "ngram": cfg.decontam_ngram,
+                            "eval_sets": plan.evals.sources, "eval_ngrams": len(plan.eval_index),
+                            "rows": tally.contaminated},
+        "similarity": _similarity_report(job, tally),
+        "tokenizer": job.dataset.tokenizer, "tokens": overall.get("tokens", {"count": 0}),
+        "length": {"policy": job.dataset.length_policy, "seq_len": job.dataset.seq_len,
+                   "overall": overall.get("length", {}),
+                   "per_split": {k: v["length"] for k, v in rows["per_split"].items()
+                                 if v["length"]["tokens"]["count"]}},
+        "text_with_tool_calls": {"policy": job.dataset.text_with_tool_calls,
+                                 "rows": overall.get("dropped_text_rows", 0),
+                                 "turns_text_dropped": overall.get("dropped_text_turns", 0),
+                                 "chars_text_dropped": overall.get("dropped_text_chars", 0)},
+        "inputs": {"layout": plan.inputs.layout, "root": plan.inputs.root.uri,
+                   "files": {k: [loc.name for loc in v] for k, v in plan.inputs.files.items()},
+                   "missing_shards": plan.inputs.missing_shards,
+                   "rows_in_files": {k: v["rows"] for k, v in plan.footers.items()}},
+        "enriched_uri": enriched.uri, "quarantine_uri": quarantine.uri, "manifest_uri": enriched.join(MANIFEST).uri,
+        "summary_uri": run_root.join("reports", "enrich_summary.txt").uri,
+        "seconds": round(seconds, 2),
+    }
+    if corpus:
+        report["corpus"] = _corpus_report(corpus, {"overall": overall, "per_split": per_split}, tally.sentences,
+                                          corpus["top_documents"], plan.corpus_files or [], cfg)
+    return report
+
+
+def _similarity_report(job: JobConfig, tally: Tally) -> dict[str, Any]:
+    """report["similarity"]: the selection's settings, its distributions and row counts, overall and per split."""
+    cfg, rows, sentences = job.enrich, tally.rows, tally.sentences
+    overall = rows["overall"]
+    return {
+        "question_weight": cfg.question_weight, "top_k": cfg.top_k, "min_score": cfg.min_score,
+        "system_prompt": cfg.system_prompt, "answer_text": cfg.answer_text,
+        **{k: v for k, v in sentences["overall"].items() if k != "corpus"},
+        **{k: overall.get(k, 0) for k in SELECTION_ROW_COUNTS},
+        "per_split": {split: {"rows": d["rows"], **{k: d[k] for k in SELECTION_ROW_COUNTS},
+                              **{k: d[k] for k in ("dropped_text_turns", "dropped_text_chars", "dropped_text_rows")},
+                              **{k: v for k, v in sentences["per_split"].get(split, sentences["empty"]).items()
+                                 if k != "corpus"}}
+                      for split, d in rows["per_split"].items() if d["rows"]},
+    }
+
+
+SELECTION_ROW_COUNTS = ("rows_with_candidates", "rows_with_context_added", "rows_chunked", "texts_chunked",
+                        "system_prompts_changed", "system_prompt_chars_removed")
+
+
+def _corpus_report(prepared: dict[str, Any], rows: dict[str, Any], sentences: dict[str, Any],
+                   top_documents: list[dict[str, Any]], files, cfg) -> dict[str, Any]:
+    """report["corpus"]: the files, the table (reused or embedded now, and how long that took), the eval filter,
+    the search method and its recall, per-split row paths, score distributions and the most-used documents."""
+    table = prepared["table"]
+    return {
+        "files": [{"uri": f.loc.uri, "sha256": f.sha256, "records": f.records} for f in files],
+        "id_field": cfg.corpus_id_field, "text_field": cfg.corpus_text_field,
+        "table_uri": prepared["table_uri"], "key": table["key"], "reused": prepared["reused"],
+        "sentences_embedded_this_run": prepared["sentences_embedded_this_run"],
+        "documents": table["documents"], "documents_without_sentences": table["documents_without_sentences"],
+        "sentences_split": table["sentences_split"], "duplicates_collapsed": table["duplicates_collapsed"],
+        "sentences": table["sentences"], "embed_seconds": table["embed_seconds"],
+        "contaminated_removed": prepared["index"]["contaminated_removed"],
+        "contaminated": prepared["index"]["contaminated"], "searchable": prepared["index"]["searchable"],
+        "method": prepared["index"]["method"], "exact_max_sentences": cfg.corpus_exact_max_sentences,
+        "ann_build_seconds": prepared["index"]["ann_build_seconds"], "recall": prepared["recall"],
+        "prepare_seconds": prepared["prepare_seconds"], "retrieve_seconds": prepared["retrieve_seconds"],
+        "top_k": cfg.top_k, "min_score": cfg.min_score, "question_weight": cfg.question_weight,
+        "rows": rows["overall"].get("rows", 0), **rows["overall"].get("corpus", {}),
+        **sentences["overall"]["corpus"], "top_documents": top_documents,
+        "per_split": {k: {"rows": v["rows"], **v.get("corpus", {}),
+                          **sentences["per_split"].get(k, sentences["empty"])["corpus"]}
+                      for k, v in rows["per_split"].items()},
+    }
 
 
 def _fmt_dist(d: dict[str, Any], digits: int = 3) -> str:
