@@ -522,7 +522,7 @@ def _text(value: Any, name: str, expected: str) -> str:
     raise ConfigError(f"{name}: expected {expected}, got {_shown(value)}")
 
 
-def _parse_int(text: str, name: str) -> int:
+def parse_int(text: str, name: str) -> int:
     """Decimal digits (``_`` between digits allowed: 1_000) -> int. A leading zero is refused rather than guessed:
     YAML 1.1 reads 010 as octal 8, YAML 1.2 and people as 10. Hex, octal, floats and booleans are refused too."""
     t = text.strip()
@@ -539,12 +539,12 @@ def _parse_int(text: str, name: str) -> int:
 
 def _parse_float(text: str, name: str) -> float:
     """A finite decimal number (3e-4, 0.5, -1, 1_000.5) -> float; NaN, infinities, overflow (1e309) and the
-    integer forms ``_parse_int`` refuses are ConfigErrors."""
+    integer forms ``parse_int`` refuses are ConfigErrors."""
     t = text.strip()
     if t.lstrip("+-").lower() in _NON_FINITE:
         raise ConfigError(f"{name}: must be a finite number, got {text!r}")
     try:
-        x = float(_parse_int(t, name)) if _DECIMAL_INT_RE.fullmatch(t) else float(t)
+        x = float(parse_int(t, name)) if _DECIMAL_INT_RE.fullmatch(t) else float(t)
     except (ValueError, OverflowError):
         raise ConfigError(f"{name}: expected a number (e.g. 0.5 or 3e-4), got {text!r}") from None
     if not math.isfinite(x):
@@ -586,7 +586,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if tp is int:
         n = value if isinstance(value, int) and not isinstance(value, bool) else None
         if n is None:
-            n = _parse_int(_text(value, name, "a whole number"), name)
+            n = parse_int(_text(value, name, "a whole number"), name)
         _require(-INT_LIMIT < n < INT_LIMIT, name, f"{n} is out of range (at most 2**63 - 1 in size)")
         return n
     if tp is float:
