@@ -120,7 +120,7 @@ class EnrichConfig:
     """JVM heap per executor."""
     executor_ray_cpus: float = 0.5
     """Ray CPUs reserved per executor actor. Below executor_cores on purpose on small machines: executors holding
-    every Ray CPU starve Ray Data's own tasks (the hang recorded in FACTS.md)."""
+    every Ray CPU starve Ray Data's own tasks, which then wait for a CPU forever."""
     num_partitions: int = 4
     """Spark partitions for the enrichment (embedding batches run per partition)."""
     top_k: int = 3
