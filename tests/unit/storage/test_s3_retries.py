@@ -66,6 +66,18 @@ def test_writes_reads_and_listings_survive_slowdowns(proxy, moto):
     assert _throttled(proxy, 3, loc.list_files) == {"ckpt/w.bin": 5000}
 
 
+def test_a_multipart_upload_survives_slowdowns_between_its_parts(proxy, moto):
+    """Checkpoint files are multipart uploads: SlowDowns after the first part still end in the whole object."""
+    big = os.urandom(12 * 2**20)
+    with _through(proxy, "run1/ckpt/big.bin").open_output() as f:
+        f.write(big[: 6 * 2**20])
+        before = proxy.failed
+        proxy.fail_next(3)
+        f.write(big[6 * 2**20 :])
+    assert proxy.failed - before == 3
+    assert moto.get_object(Bucket=BUCKET, Key="run1/ckpt/big.bin")["Body"].read() == big
+
+
 def test_without_retries_one_slowdown_fails(proxy, moto, monkeypatch):
     """The control: the same proxy ends the call at once when retries are off, so the test above did retry."""
     monkeypatch.setenv("RAYTRAIN_S3_MAX_ATTEMPTS", "1")
