@@ -30,6 +30,26 @@ exit codes: 0 ok, 1 the job failed (or a path/input problem), 2 bad usage or con
 """
 
 
+MAX_FAILURES_HELP = ("worker failures Ray Train recovers from by restarting from the latest checkpoint (default 0; a "
+                     "whole number >= 0: Ray's -1, retry forever, is not accepted)")
+
+
+def max_failures(text: str) -> int:
+    """--max-failures N: a whole number >= 0 in decimal digits. Ray's -1 (retry forever) is refused: a failure
+    that repeats on every restart (a corrupt checkpoint, a bad row, a lost lock) would loop for days."""
+    from raytrain.config import parse_int
+
+    try:
+        n = parse_int(text, "--max-failures")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--max-failures: ")) from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(
+            f"{n}: give a whole number >= 0; -1 (Ray's 'retry forever') is not accepted, as a failure that repeats "
+            "on every restart would never end the run: give a bound instead, e.g. --max-failures 100")
+    return n
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", default=None,
                    help=f"job YAML (default: {DEFAULT_CONFIG} when it exists, else built-in defaults)")
@@ -49,12 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("run", help="enrich + pack + train (resumes a run with the same name)")
     _add_config_args(p)
-    p.add_argument("--max-failures", type=int, default=0, help="worker failures Ray Train recovers from")
+    p.add_argument("--max-failures", type=max_failures, default=0, metavar="N", help=MAX_FAILURES_HELP)
     p = sub.add_parser("enrich", help="enrichment on Spark-on-Ray + tokenize/pack only")
     _add_config_args(p)
     p = sub.add_parser("train", help="train on the packed data an earlier `raytrain enrich` of the run wrote")
     _add_config_args(p)
-    p.add_argument("--max-failures", type=int, default=0, help="worker failures Ray Train recovers from")
+    p.add_argument("--max-failures", type=max_failures, default=0, metavar="N", help=MAX_FAILURES_HELP)
     p = sub.add_parser("export", help="export a run's latest checkpoint to a Hugging Face directory")
     _add_config_args(p)
     p.add_argument("--out", default="", help="output dir (default: <run>/exports/step_N)")

@@ -7,6 +7,11 @@ Every section validates itself in ``__post_init__``; cross-section rules that ne
 decoder layers, dataset.tokenizer against its vocabulary, the batch sizes in train.ds_config's JSON) are
 ``raytrain.runner.preflight``'s, run before any cluster work. Errors are ``ConfigError`` naming the dotted field and
 how to fix it.
+
+Values keep what was typed: YAML and the command line go through one loader that hands every bool/number-looking
+scalar to the field's type as its text (``PlainScalar``), so a string field gets ``010`` as "010", an int field
+refuses ``010`` (octal in YAML 1.1, ten elsewhere) rather than guess, and a float field refuses NaN, infinities and
+overflow (``1e309``). docs/configuration.md has the table.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -43,9 +50,22 @@ DATA_SECTIONS = ("data", "enrich", "dataset")
 """The config sections that decide the enriched rows and the packed sequences (``JobConfig.data_hash``)."""
 
 
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+"""A storage name (storage.user, .project, .run_name): one path component, 1-64 characters, not starting with '.'."""
+_JVM_MEMORY_RE = re.compile(r"[0-9]+([kmgtp]b?|b)?", re.IGNORECASE)
+INT_LIMIT = 2**63
+"""Integer fields hold values in (-2**63, 2**63): what numpy, torch and the JVM take without overflow."""
+
+
 def _require(ok: bool, name: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"{name}: {msg}")
+
+
+def _require_name(value: str, name: str) -> None:
+    _require(NAME_RE.fullmatch(value) is not None, name,
+             f"{value!r} is not a valid name: use 1-64 letters, digits, '.', '_' or '-', not starting with '.' "
+             "(e.g. my-run-01)")
 
 
 @dataclass(frozen=True)
@@ -64,13 +84,10 @@ class StorageConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.root), "storage.root", "must not be empty (e.g. ./runs or s3://bucket/raytrain)")
-        for name in ("project", "run_name"):
-            value = getattr(self, name)
-            _require(
-                bool(value) and all(c.isalnum() or c in "._-" for c in value) and value not in (".", ".."),
-                f"storage.{name}",
-                f"{value!r} must be non-empty and use only letters, digits, '.', '_' or '-'",
-            )
+        if self.user:  # empty: taken from the environment (raytrain.storage.default_user checks that name)
+            _require_name(self.user, "storage.user")
+        _require_name(self.project, "storage.project")
+        _require_name(self.run_name, "storage.run_name")
 
 
 @dataclass(frozen=True)
@@ -103,7 +120,7 @@ class EnrichConfig:
     """JVM heap per executor."""
     executor_ray_cpus: float = 0.5
     """Ray CPUs reserved per executor actor. Below executor_cores on purpose on small machines: executors holding
-    every Ray CPU starve Ray Data's own tasks (docs/decisions.md)."""
+    every Ray CPU starve Ray Data's own tasks, which then wait for a CPU forever (docs/decisions.md)."""
     num_partitions: int = 4
     """Spark partitions for the enrichment (embedding batches run per partition)."""
     top_k: int = 3
@@ -167,6 +184,9 @@ class EnrichConfig:
                  "must be in (0, enrich.executor_cores]")
         _require(self.num_partitions >= 1, "enrich.num_partitions", "must be >= 1")
         _require(self.top_k >= 1, "enrich.top_k", "must be >= 1")
+        _require(-1.0 <= self.min_score <= 1.0, "enrich.min_score", "must be in [-1, 1] (a cosine similarity)")
+        _require(_JVM_MEMORY_RE.fullmatch(self.executor_memory) is not None, "enrich.executor_memory",
+                 f"{self.executor_memory!r}: write a JVM size such as 512m, 1g or 4g")
         _require(0.0 <= self.question_weight <= 1.0, "enrich.question_weight", "must be in [0, 1]")
         _require(0.0 < self.near_dup_threshold <= 1.0, "enrich.near_dup_threshold", "must be in (0, 1]")
         _require(self.decontam_ngram >= 3, "enrich.decontam_ngram", "must be >= 3")
@@ -231,8 +251,11 @@ class DatasetConfig:
                 weight = float(raw)
             except ValueError:
                 weight = -1.0
+            if not math.isfinite(weight):
+                weight = -1.0
             _require(split in SPLITS and weight >= 0 and split not in out, "dataset.split_weights",
-                     f"{entry!r}: write split=weight once per split, split one of {list(SPLITS)}, weight >= 0 "
+                     f"{entry!r}: write split=weight once per split, split one of {list(SPLITS)}, weight a finite "
+                     "number >= 0 "
                      "(e.g. math=2)")
             out[split] = weight
         _require(not out or any(out.get(s, 1.0) > 0 for s in SPLITS), "dataset.split_weights",
@@ -352,10 +375,16 @@ class TrainConfig:
         _require(self.worker_cpus >= 0, "train.worker_cpus", "must be >= 0")
         _require(self.on_corrupt_checkpoint in ("error", "fallback"), "train.on_corrupt_checkpoint",
                  f"{self.on_corrupt_checkpoint!r}: use 'error' or 'fallback'")
-        _require(self.lr > 0, "train.lr", "must be > 0")
+        # lr above 1 is a typo (3e3 for 3e-3): AdamW diverges at once
+        _require(0 < self.lr <= 1, "train.lr", "must be in (0, 1] (e.g. 3e-4)")
         _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
-        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0 (0 = none)")
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 = no clipping)")
+        _require(self.seed >= 0, "train.seed", "must be >= 0 (numpy's generators take no negative seed)")
+        _require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval",
+                 "must be >= 0 (0 = off)")
+        _require(self.peak_tflops >= 0, "train.peak_tflops", "must be >= 0 (0 = no MFU)")
         _require(
             self.partition_method in ("parameters", "uniform") or self.partition_method.startswith("type:"),
             "train.partition_method",
@@ -392,6 +421,9 @@ class RayConfig:
     dashboard: bool = True
     """Start the embedded Ray with its dashboard (needs ray[default]; the URL is printed, and shown by
     `raytrain status` while the run is going). A dashboard that cannot start is one warning, not an error."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_cpus >= 0, "ray.num_cpus", "must be >= 0 (0 = all of this machine's CPUs)")
 
 
 @dataclass(frozen=True)
@@ -446,50 +478,121 @@ def _short_hash(tree: dict[str, Any]) -> str:
 # Loading
 
 
+@dataclass(frozen=True)
+class PlainScalar:
+    """A plain YAML scalar that YAML 1.1 reads as a bool, number or date (``010``, ``0x1F``, ``yes``, ``1e3``...),
+    kept as the text that was typed. The field's type decides what it becomes (``_coerce``): a string field gets
+    the text itself, so ``run_name: 010`` stays "010" instead of YAML 1.1's octal 8."""
+
+    text: str
+    """The scalar as written."""
+    tag: str
+    """What YAML 1.1 resolved it to (tag:yaml.org,2002:int, :float, :bool or :timestamp); informational."""
+
+
+class _TextKeepingLoader(yaml.SafeLoader):
+    """yaml.SafeLoader, except that bool, int, float and timestamp scalars come out as ``PlainScalar``."""
+
+
+def _keep_text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> PlainScalar:
+    return PlainScalar(text=node.value, tag=node.tag)
+
+
+for _kind in ("bool", "int", "float", "timestamp"):
+    _TextKeepingLoader.add_constructor(f"tag:yaml.org,2002:{_kind}", _keep_text)
+
+_DECIMAL_INT_RE = re.compile(r"[-+]?[0-9][0-9_]*")
+_LEADING_ZERO_RE = re.compile(r"[-+]?0[0-9_]")
+_NON_FINITE = ("nan", ".nan", "inf", ".inf", "infinity")
+_YAML11_BOOLS = ("yes", "no", "on", "off", "y", "n", "1", "0")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, PlainScalar | str):
+        return repr(value.text if isinstance(value, PlainScalar) else value)
+    return f"{type(value).__name__} {value!r}"
+
+
+def _text(value: Any, name: str, expected: str) -> str:
+    """The text of a scalar from YAML or the command line; ConfigError for a list, mapping or other object."""
+    if isinstance(value, PlainScalar):
+        return value.text
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{name}: expected {expected}, got {_shown(value)}")
+
+
+def parse_int(text: str, name: str) -> int:
+    """Decimal digits (``_`` between digits allowed: 1_000) -> int. A leading zero is refused rather than guessed:
+    YAML 1.1 reads 010 as octal 8, YAML 1.2 and people as 10. Hex, octal, floats and booleans are refused too."""
+    t = text.strip()
+    if _LEADING_ZERO_RE.match(t):
+        raise ConfigError(f"{name}: {text!r} starts with 0, which YAML 1.1 reads as octal (010 = 8) and other "
+                          "tools as decimal; write the number without leading zeros")
+    if not _DECIMAL_INT_RE.fullmatch(t):
+        raise ConfigError(f"{name}: expected a whole number in decimal digits (e.g. 10), got {text!r}")
+    try:
+        return int(t)
+    except ValueError:  # '1__0', '1_', or more digits than Python converts
+        raise ConfigError(f"{name}: {text!r} is not a whole number (misplaced '_' or far too many digits)") from None
+
+
+def _parse_float(text: str, name: str) -> float:
+    """A finite decimal number (3e-4, 0.5, -1, 1_000.5) -> float; NaN, infinities, overflow (1e309) and the
+    integer forms ``parse_int`` refuses are ConfigErrors."""
+    t = text.strip()
+    if t.lstrip("+-").lower() in _NON_FINITE:
+        raise ConfigError(f"{name}: must be a finite number, got {text!r}")
+    try:
+        x = float(parse_int(t, name)) if _DECIMAL_INT_RE.fullmatch(t) else float(t)
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{name}: expected a number (e.g. 0.5 or 3e-4), got {text!r}") from None
+    if not math.isfinite(x):
+        raise ConfigError(f"{name}: {text!r} is out of range (overflows to {x})")
+    return x
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
-    """Convert a YAML/CLI value to the annotated type, or raise ConfigError naming the field."""
+    """A YAML/CLI value (str, PlainScalar, list) -> the annotated type, or a ConfigError naming the field.
+
+    str: the text as typed. int: decimal digits within (-2**63, 2**63). float: a finite number. bool: true or
+    false (any case); YAML 1.1's yes/no/on/off and 1/0 are refused, YAML 1.2 reads them differently.
+    null (an empty value, ~) is refused for every type.
+    tuple: a YAML list, or a comma-separated text (a,b) as written on the command line.
+    """
     origin = typing.get_origin(tp)
+    if value is None:
+        raise ConfigError(f'{name}: no value (YAML null); write "" for an empty text, or leave the key out for its '
+                          "default")
     if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str | PlainScalar):
+            value = [v.strip() for v in _text(value, name, "a list").split(",") if v.strip()]
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{name}: expected a list, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{name}: expected a list, got {_shown(value)}")
         (item_tp, _ellipsis) = typing.get_args(tp)
         return tuple(_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):
         raise ConfigError(f"{name}: union types are not supported in configs")
+    if tp is str:
+        return _text(value, name, "a text")
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{name}: expected true/false, got {value!r}")
+        word = _text(value, name, "true or false").strip().lower()
+        if word not in ("true", "false"):
+            why = " (YAML 1.1 and 1.2 read yes/no/on/off differently)" if word in _YAML11_BOOLS else ""
+            raise ConfigError(f"{name}: expected true or false, got {_shown(value)}{why}")
+        return word == "true"
     if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{name}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        n = value if isinstance(value, int) and not isinstance(value, bool) else None
+        if n is None:
+            n = parse_int(_text(value, name, "a whole number"), name)
+        _require(-INT_LIMIT < n < INT_LIMIT, name, f"{n} is out of range (at most 2**63 - 1 in size)")
+        return n
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{name}: expected a string, got {type(value).__name__} {value!r}")
+            value = repr(value)
+        return _parse_float(_text(value, name, "a number"), name)
     raise ConfigError(f"{name}: unsupported field type {tp!r}")
 
 
@@ -497,11 +600,12 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {type(data).__name__} {data!r}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {_shown(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
-    for key, value in data.items():
+    for raw_key, value in data.items():
+        key = raw_key.text if isinstance(raw_key, PlainScalar) else raw_key
         name = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -527,7 +631,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """'train.lr=3e-4' -> ('train.lr', 0.0003); the value is parsed as YAML so lists and booleans work."""
+    """'train.max_steps=20' -> ('train.max_steps', PlainScalar('20', ...)): the value is read as YAML, with a
+    config file's rules (lists work; numbers and booleans keep their text until the field's type decides)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.max_steps=20")
     key, raw = text.split("=", 1)
@@ -535,23 +640,24 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: e.g. an integer of thousands of digits
+        value = yaml.load(raw, Loader=_TextKeepingLoader) if raw.strip() else ""
+    except (yaml.YAMLError, ValueError, RecursionError):
         value = raw
     return key, value
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    """A config file as a tree of dicts, lists, strings and ``PlainScalar`` (numbers and booleans as typed)."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path} (try configs/demo.yaml)")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_TextKeepingLoader)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    except (ValueError, RecursionError) as e:  # huge integers, absurdly deep nesting
+    except (ValueError, RecursionError) as e:  # absurdly deep nesting
         raise ConfigError(f"{path}: YAML value out of range: {str(e)[:200]}") from None
     if data is None:
         return {}

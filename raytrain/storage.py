@@ -321,17 +321,25 @@ def _reject_dotdot(uri: str, path: str) -> None:
         raise RaytrainError(f"storage URI {uri!r} contains '..'; give the resolved path instead")
 
 
-@functools.lru_cache(maxsize=32)
 def _filesystem(scheme: str, authority: str, s3_endpoint: str | None) -> pafs.FileSystem:
-    """One pyarrow filesystem per store (cached: S3/HDFS clients are costly to build and hold connection pools)."""
+    """One pyarrow filesystem per store (cached: S3/HDFS clients are costly to build and hold connection pools).
+    S3 clients retry with backoff and time out as ``s3_retry_settings`` says (read per call, so a changed
+    RAYTRAIN_S3_* variable takes effect on the next use)."""
     if scheme == "file":
-        return pafs.LocalFileSystem()
+        return _local_filesystem()
     if scheme == "s3":
-        if s3_endpoint is None:
-            return pafs.S3FileSystem()
-        split = urlsplit(s3_endpoint if "://" in s3_endpoint else f"https://{s3_endpoint}")
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        return pafs.S3FileSystem(endpoint_override=split.netloc, scheme=split.scheme, region=region)
+        return _s3_filesystem(s3_endpoint, region if s3_endpoint else None, s3_retry_settings())
+    return _hdfs_filesystem(authority)
+
+
+@functools.lru_cache(maxsize=1)
+def _local_filesystem() -> pafs.FileSystem:
+    return pafs.LocalFileSystem()
+
+
+@functools.lru_cache(maxsize=8)
+def _hdfs_filesystem(authority: str) -> pafs.FileSystem:
     host, _, port = authority.partition(":")
     # HadoopFileSystem needs libhdfs + a Hadoop classpath; it is only built when an hdfs:// location is used.
     try:
@@ -341,6 +349,89 @@ def _filesystem(scheme: str, authority: str, s3_endpoint: str | None) -> pafs.Fi
             f"cannot connect to HDFS at {authority or 'fs.defaultFS'}: {exc}; set HADOOP_HOME, CLASSPATH "
             "(`hadoop classpath --glob`) and ARROW_LIBHDFS_DIR on every node"
         ) from exc
+
+
+# ---- S3 retries and timeouts -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class S3RetrySettings:
+    """How every S3 client raytrain builds (pyarrow's and botocore's) retries and times out."""
+
+    max_attempts: int = 10
+    """Attempts per request, the first included (1 = no retry). Throttling (503 SlowDown), 5xx and connection
+    errors are retried with exponential backoff and jitter (the AWS SDKs' "standard" mode)."""
+    connect_timeout_s: float = 10.0
+    """Seconds to open a connection."""
+    request_timeout_s: float = 60.0
+    """Seconds a request may go without receiving data before it is abandoned (and retried)."""
+
+
+_S3_ENV = {
+    "max_attempts": "RAYTRAIN_S3_MAX_ATTEMPTS",
+    "connect_timeout_s": "RAYTRAIN_S3_CONNECT_TIMEOUT_S",
+    "request_timeout_s": "RAYTRAIN_S3_REQUEST_TIMEOUT_S",
+}
+
+
+def s3_retry_settings() -> S3RetrySettings:
+    """``S3RetrySettings`` defaults, each overridden by its RAYTRAIN_S3_* environment variable when set (read in
+    the process that builds the client). RaytrainError naming the variable for a value out of range."""
+    values: dict[str, Any] = {}
+    for name, var in _S3_ENV.items():
+        raw = os.environ.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            value = int(raw) if name == "max_attempts" else float(raw)
+        except ValueError:
+            value = 0
+        if not (0 < value < 1e6):  # also refuses nan/inf
+            raise RaytrainError(f"{var}={raw!r}: expected a positive {'whole ' if name == 'max_attempts' else ''}"
+                                f"number (default {getattr(S3RetrySettings, name)})")
+        values[name] = value
+    return S3RetrySettings(**values)
+
+
+class RetryingS3FileSystem(pafs.S3FileSystem):
+    """pafs.S3FileSystem with AWS standard retries that keeps them when pickled: pyarrow's own pickling drops the
+    retry strategy (the copy a Ray task or Ray Train worker unpickles would retry 3 times). The pickled state is
+    pyarrow's constructor dict (Ray Data reads it) plus the settings; credentials are never passed in, each
+    process takes them from the standard AWS chain."""
+
+    def __init__(self, settings: S3RetrySettings, **options: Any) -> None:
+        super().__init__(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=settings.max_attempts),
+                         connect_timeout=settings.connect_timeout_s, request_timeout=settings.request_timeout_s,
+                         **options)
+        self._settings = settings
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _, (state,) = super().__reduce__()
+        return _rebuild_s3_filesystem, ({**state, _SETTINGS_KEY: self._settings},)
+
+
+_SETTINGS_KEY = "raytrain_retry_settings"
+
+
+def _rebuild_s3_filesystem(state: dict[str, Any]) -> RetryingS3FileSystem:
+    options = {k: v for k, v in state.items() if k not in (_SETTINGS_KEY, "connect_timeout", "request_timeout")}
+    return RetryingS3FileSystem(state[_SETTINGS_KEY], **options)
+
+
+@functools.lru_cache(maxsize=32)
+def _s3_filesystem(endpoint: str | None, region: str | None, settings: S3RetrySettings) -> RetryingS3FileSystem:
+    if endpoint is None:
+        return RetryingS3FileSystem(settings)
+    split = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+    return RetryingS3FileSystem(settings, endpoint_override=split.netloc, scheme=split.scheme, region=region)
+
+
+def s3_client_config() -> Any:
+    """The botocore ``Config`` for any boto3/botocore S3 client in raytrain: the same retries and timeouts as the
+    pyarrow filesystem (``s3_retry_settings``), botocore's "standard" retry mode. Needs botocore installed."""
+    from botocore.config import Config
+
+    settings = s3_retry_settings()
+    return Config(retries={"mode": "standard", "total_max_attempts": settings.max_attempts},
+                  connect_timeout=settings.connect_timeout_s, read_timeout=settings.request_timeout_s)
 
 
 def _posix_write_atomic(path: str, payload: bytes) -> None:

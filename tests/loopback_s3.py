@@ -28,3 +28,131 @@ def loopback_s3() -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message><RequestId>fault-proxy</RequestId></Error>")
+"""The body S3 answers a throttled request with (HTTP 503)."""
+
+
+class FaultProxy:
+    """An HTTP reverse proxy on 127.0.0.1 in front of an S3 endpoint: passes requests through, except that the
+    next ``fail_next(n)`` requests are answered 503 SlowDown as S3 throttling does, and the next ``stall_next(n)``
+    are held unanswered for ``stall_s`` seconds (a server that stopped sending). Counts what it did."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+
+        self.upstream = urlsplit(upstream).netloc
+        self.to_fail = 0
+        self.to_stall = 0
+        self.stall_s = 5.0
+        self.failed = 0
+        self.stalled = 0
+        self.passed = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _any(self) -> None:
+                proxy._handle(self)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def fail_next(self, n: int) -> None:
+        with self.lock:
+            self.to_fail = n
+
+    def stall_next(self, n: int, seconds: float) -> None:
+        with self.lock:
+            self.to_stall, self.stall_s = n, seconds
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handle(self, req) -> None:
+        import http.client
+        import time
+
+        body = _read_body(req)
+        with self.lock:
+            fail, stall = self.to_fail > 0, self.to_fail <= 0 and self.to_stall > 0
+            self.to_fail -= fail
+            self.to_stall -= stall
+            self.failed += fail
+            self.stalled += stall
+        if stall:
+            time.sleep(self.stall_s)
+            req.close_connection = True
+            return
+        if fail:
+            req.send_response(503, "Slow Down")
+            req.send_header("Content-Type", "application/xml")
+            req.send_header("Content-Length", str(len(SLOW_DOWN)))
+            req.end_headers()
+            if req.command != "HEAD":
+                req.wfile.write(SLOW_DOWN)
+            return
+        conn = http.client.HTTPConnection(self.upstream, timeout=60)
+        try:
+            conn.putrequest(req.command, req.path, skip_host=True, skip_accept_encoding=True)
+            for key, value in req.headers.items():
+                conn.putheader(key, value)
+            conn.endheaders(body)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        with self.lock:
+            self.passed += 1
+        req.send_response(resp.status, resp.reason)
+        for key, value in resp.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                req.send_header(key, value)
+        length = resp.getheader("Content-Length") if req.command == "HEAD" else None
+        req.send_header("Content-Length", length or str(len(data)))
+        req.end_headers()
+        if req.command != "HEAD":
+            req.wfile.write(data)
+
+
+def _read_body(req) -> bytes:
+    """The request body as sent (a chunked body keeps its framing, to be forwarded with its headers as is)."""
+    if req.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        raw = b""
+        while True:
+            line = req.rfile.readline()
+            raw += line
+            size = int(line.split(b";")[0].strip(), 16)
+            if size == 0:
+                while True:  # trailers, then the empty line
+                    trailer = req.rfile.readline()
+                    raw += trailer
+                    if trailer in (b"\r\n", b"\n", b""):
+                        return raw
+            raw += req.rfile.read(size + 2)
+    return req.rfile.read(int(req.headers.get("Content-Length") or 0))
+
+
+@contextmanager
+def fault_proxy(upstream: str) -> Iterator[FaultProxy]:
+    """A FaultProxy in front of `upstream` (an endpoint URL from loopback_s3), closed after."""
+    proxy = FaultProxy(upstream)
+    try:
+        yield proxy
+    finally:
+        proxy.close()

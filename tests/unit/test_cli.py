@@ -79,6 +79,21 @@ def test_config_option_spelling_and_job_scripts_share_the_cli_error_path(front, 
     assert_no_ray_and_no_traceback(out)
 
 
+@pytest.mark.parametrize("args,message", [
+    (("run", "--max-failures", "-1"), "argument --max-failures: -1: give a whole number >= 0; -1 (Ray's 'retry "
+                                      "forever') is not accepted"),
+    (("train", "--max-failures", "-5"), "argument --max-failures: -5: give a whole number >= 0"),
+    (("run", "--max-failures", "2.5"), "argument --max-failures: expected a whole number in decimal digits"),
+    (("run", "storage.run_name=.hidden"), "config error: storage.run_name: '.hidden' is not a valid name"),
+    (("train", "train.lr=nan"), "config error: train.lr: must be a finite number, got 'nan'"),
+], ids=("max-failures -1", "max-failures -5", "max-failures 2.5", "hidden run name", "lr nan"))
+def test_out_of_range_flags_and_values_exit_2_before_starting_ray(args, message, tmp_path):
+    out = cli(*args, f"storage.root={tmp_path}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr
+    assert_no_ray_and_no_traceback(out)
+
+
 def test_config_given_twice_is_a_config_error(tmp_path):
     out = cli("train", "--config", "configs/demo.yaml", "configs/demo.yaml", f"storage.root={tmp_path}")
     assert out.returncode == 2, out.stdout + out.stderr

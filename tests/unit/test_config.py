@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from raytrain.config import JobConfig, load_job_config, parse_override
+from raytrain.config import JobConfig, PlainScalar, load_job_config, parse_override
 from raytrain.errors import ConfigError
 
 DEMO = "configs/demo.yaml"
@@ -87,7 +87,8 @@ def test_bad_files(tmp_path):
 
 
 def test_override_syntax():
-    assert parse_override("a.b=1") == ("a.b", 1)
+    assert parse_override("a.b=1") == ("a.b", PlainScalar("1", "tag:yaml.org,2002:int"))
+    assert parse_override("a.b=x") == ("a.b", "x") and parse_override("a.b=") == ("a.b", "")
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_override("train.lr")
 
@@ -116,3 +117,152 @@ def test_data_hash_follows_only_the_sections_that_decide_the_data():
         assert load_job_config(DEMO, [override]).data_hash() != a.data_hash(), override
     for override in ("train.lr=0.1", "model.attn_impl=segment", "storage.run_name=other"):
         assert load_job_config(DEMO, [override]).data_hash() == a.data_hash(), override
+
+
+# ---- typed values: what a field gets from what was typed ----------------------------------------------------------
+def _lead0(field, text):
+    return (f"{field}: '{text}' starts with 0, which YAML 1.1 reads as octal (010 = 8) and other tools as decimal; "
+            "write the number without leading zeros")
+
+
+def _not_int(field, text):
+    return f"{field}: expected a whole number in decimal digits (e.g. 10), got '{text}'"
+
+
+def _not_float(field, text):
+    return f"{field}: expected a number (e.g. 0.5 or 3e-4), got '{text}'"
+
+
+def _not_finite(field, text):
+    return f"{field}: must be a finite number, got '{text}'"
+
+
+STR_F, INT_F, FLOAT_F = "storage.run_name", "train.seed", "train.peak_tflops"
+TYPED = [  # (typed, storage.run_name (str), train.seed (int), train.peak_tflops (float)); a str = the exact error
+    ("010", "010", _lead0(INT_F, "010"), _lead0(FLOAT_F, "010")),
+    ("0x1F", "0x1F", _not_int(INT_F, "0x1F"), _not_float(FLOAT_F, "0x1F")),
+    ("1_000", "1_000", 1000, 1000.0),
+    ("nan", "nan", _not_int(INT_F, "nan"), _not_finite(FLOAT_F, "nan")),
+    ("inf", "inf", _not_int(INT_F, "inf"), _not_finite(FLOAT_F, "inf")),
+    (".inf", f"{STR_F}: '.inf' is not a valid name: use 1-64 letters, digits, '.', '_' or '-', not starting with '.' "
+             "(e.g. my-run-01)", _not_int(INT_F, ".inf"), _not_finite(FLOAT_F, ".inf")),
+    ("-1", "-1", f"{INT_F}: must be >= 0 (numpy's generators take no negative seed)", f"{FLOAT_F}: must be >= 0 (0 = no MFU)"),
+    ("1e309", "1e309", _not_int(INT_F, "1e309"), f"{FLOAT_F}: '1e309' is out of range (overflows to inf)"),
+    ("0777", "0777", _lead0(INT_F, "0777"), _lead0(FLOAT_F, "0777")),
+    ('"1e3"', "1e3", _not_int(INT_F, "1e3"), 1000.0),
+    ("1e3", "1e3", _not_int(INT_F, "1e3"), 1000.0),
+    ("3.0e-3", "3.0e-3", _not_int(INT_F, "3.0e-3"), 0.003),
+    ("true", "true", _not_int(INT_F, "true"), _not_float(FLOAT_F, "true")),
+    ("2024-01-01", "2024-01-01", _not_int(INT_F, "2024-01-01"), _not_float(FLOAT_F, "2024-01-01")),
+    ("9223372036854775808", "9223372036854775808", f"{INT_F}: 9223372036854775808 is out of range (at most 2**63 - 1 in "
+                                                    "size)", 9.223372036854776e18),
+]
+
+
+def _load_one(how, tmp_path, field, typed):
+    """(value, None) or (None, error message) for one field typed in a YAML file or on the command line."""
+    section, name = field.split(".")
+    path, overrides = None, [f"{field}={typed}"]
+    if how == "yaml":
+        path, overrides = str(tmp_path / "job.yaml"), []
+        (tmp_path / "job.yaml").write_text(f"{section}:\n  {name}: {typed}\n")
+    try:
+        return getattr(getattr(load_job_config(path, overrides), section), name), None
+    except ConfigError as e:
+        return None, str(e)
+
+
+@pytest.mark.parametrize("how", ["yaml", "cli"])
+@pytest.mark.parametrize("row", TYPED, ids=[r[0] for r in TYPED])
+def test_typed_values_table(how, row, tmp_path):
+    typed, *expected = row
+    for field, want in zip((STR_F, INT_F, FLOAT_F), expected, strict=True):
+        value, error = _load_one(how, tmp_path, field, typed)
+        if isinstance(want, str) and want.startswith(field + ":"):
+            assert (value, error) == (None, want)
+        else:
+            assert error is None and value == want and type(value) is type(want), (field, typed, value, error)
+
+
+@pytest.mark.parametrize("how", ["yaml", "cli"])
+def test_bools_are_true_or_false_only(how, tmp_path):
+    for typed, want in (("true", True), ("false", False), ("True", True), ("FALSE", False)):
+        assert _load_one(how, tmp_path, "train.shuffle", typed) == (want, None)
+    for typed in ("yes", "no", "on", "off", "1", "0"):
+        assert _load_one(how, tmp_path, "train.shuffle", typed) == (
+            None, f"train.shuffle: expected true or false, got '{typed}' (YAML 1.1 and 1.2 read yes/no/on/off "
+                  "differently)")
+    assert _load_one(how, tmp_path, "train.shuffle", "maybe")[1] == "train.shuffle: expected true or false, got 'maybe'"
+
+
+def test_texts_keep_what_was_typed_everywhere(tmp_path):
+    """Every string field, list items included: the issue's examples, from a file and from the command line."""
+    (tmp_path / "job.yaml").write_text("storage:\n  user: 0777\n  project: 0x1F\n  run_name: 010\n"
+                                       "enrich:\n  eval_sets: [010, yes, 1.50]\ntrain:\n  keep_best: 1e3\n")
+    for job in (load_job_config(str(tmp_path / "job.yaml")),
+                load_job_config(None, ["storage.user=0777", "storage.project=0x1F", "storage.run_name=010",
+                                       "enrich.eval_sets=[010, yes, 1.50]", "train.keep_best=1e3"])):
+        assert (job.storage.user, job.storage.project, job.storage.run_name) == ("0777", "0x1F", "010")
+        assert job.enrich.eval_sets == ("010", "yes", "1.50") and job.train.keep_best == "1e3"
+    with pytest.raises(ConfigError, match=r"storage\.user: no value \(YAML null\)"):
+        load_job_config(None, ["storage.user=~"])
+
+
+def test_shipped_configs_load_unchanged():
+    """The text-keeping loader reads every shipped config to the same values as plain yaml.safe_load."""
+    import glob
+
+    import yaml
+
+    for path in sorted(glob.glob("configs/*.yaml")):
+        with open(path) as f:
+            tree = yaml.safe_load(f)
+        job = load_job_config(path).to_dict()
+        for section, values in tree.items():
+            for key, value in values.items():
+                got = job[section][key]
+                assert (list(got) if isinstance(got, tuple) else got) == value, (path, section, key)
+
+
+@pytest.mark.parametrize("name", ["a", "A-b_c.9", "x" * 64, "-dash", "_u"])
+def test_good_names(name):
+    job = load_job_config(None, [f"storage.user={name}", f"storage.project={name}", f"storage.run_name={name}"])
+    assert (job.storage.user, job.storage.project, job.storage.run_name) == (name, name, name)
+
+
+@pytest.mark.parametrize("field", ["storage.user", "storage.project", "storage.run_name"])
+@pytest.mark.parametrize("name", [".hidden", "..", "x" * 65, "a/b", "a b", "é", "a:b", '""'])
+def test_bad_names_name_the_field(field, name):
+    if field == "storage.user" and name == '""':  # an empty user means: from the environment
+        assert load_job_config(None, [f"{field}={name}"]).storage.user == ""
+        return
+    with pytest.raises(ConfigError, match=rf"^{field.replace('.', '[.]')}: .* is not a valid name: use 1-64 "):
+        load_job_config(None, [f"{field}={name}"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("enrich.min_score=1.5", "enrich.min_score: must be in [-1, 1]"),
+    ("enrich.min_score=-1.01", "enrich.min_score: must be in [-1, 1]"),
+    ("enrich.min_score=.nan", "enrich.min_score: must be a finite number"),
+    ("train.lr=0", "train.lr: must be in (0, 1]"),
+    ("train.lr=-3e-4", "train.lr: must be in (0, 1]"),
+    ("train.lr=3e3", "train.lr: must be in (0, 1]"),
+    ("train.lr=inf", "train.lr: must be a finite number"),
+    ("train.weight_decay=-0.1", "train.weight_decay: must be >= 0"),
+    ("train.grad_clip=-1", "train.grad_clip: must be >= 0"),
+    ("train.activation_checkpoint_interval=-1", "train.activation_checkpoint_interval: must be >= 0"),
+    ("train.worker_cpus=nan", "train.worker_cpus: must be a finite number"),
+    ("ray.num_cpus=-2", "ray.num_cpus: must be >= 0"),
+    ("enrich.executor_memory=lots", "enrich.executor_memory: 'lots': write a JVM size"),
+    ("dataset.split_weights=[math=inf]", "dataset.split_weights: 'math=inf'"),
+    ("dataset.split_weights=[math=nan]", "dataset.split_weights: 'math=nan'"),
+    ("data.max_rows=99999999999999999999", "data.max_rows: 99999999999999999999 is out of range"),
+    ("train.max_steps=1" + "0" * 5000, "train.max_steps: '1000"),
+])
+def test_out_of_range_values_name_the_field(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_job_config(None, [override])
+    assert str(err.value).startswith(message), str(err.value)
+    for ok in ("enrich.min_score=-1", "enrich.min_score=1", "train.lr=1", "train.weight_decay=0",
+               "enrich.executor_memory=512m", "enrich.executor_memory=4G", "dataset.split_weights=[math=2.5]"):
+        load_job_config(None, [ok])
