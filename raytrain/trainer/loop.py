@@ -24,7 +24,7 @@ from raytrain.dataset.packs import PackReader
 from raytrain.dataset.stream import stream_micro_batches
 from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
-from raytrain.storage import resolve
+from raytrain.storage import apply_run_umask, resolve
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
 from raytrain.trainer.schedule import Topology, check_resume_position, data_position, validation_micro_batches_of
@@ -55,9 +55,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     world_rank=stage.world_rank)
 
     run_root = resolve(loop_config["run_uri"], s3_endpoint=job.storage.s3_endpoint or None)
+    apply_run_umask()  # DeepSpeed's and torch.save's files: 0640 (a worker on another node has the node's umask)
     store = CheckpointStore(run_root, keep_last=tc.keep_last, keep_best=tc.keep_best or None,
-                            on_corrupt=tc.on_corrupt_checkpoint)
-    step, resumed_metrics = _resume(stage, store, topo, tc)
+                            on_corrupt=tc.on_corrupt_checkpoint, fence=loop_config.get("fence"))
+    step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc)
 
     # ---- data: first and last stages read their replica's packs in the epoch's order (raytrain.trainer.feed) ----
     trace = FeedTrace()
@@ -294,11 +295,25 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     return step, dict(ckpt.manifest.get("metadata", {}).get("metrics") or {})
 
 
+def _resume_source(store: CheckpointStore, job: JobConfig) -> CheckpointStore:
+    """Where to resume from: this run's store, or, while the run has no checkpoint of its own and
+    storage.init_from_run names another run, that run's store opened read-only (never written or cleaned)."""
+    if not job.storage.init_from_run or store.latest() is not None:
+        return store
+    if dist.get_rank() == 0:
+        store.cleanup_partials()  # this run's own leftovers (the source's are never touched); _resume's barrier follows
+    source = resolve(job.storage.init_from_run, s3_endpoint=job.storage.s3_endpoint or None)
+    return CheckpointStore(source, on_corrupt=job.train.on_corrupt_checkpoint, read_only=True)
+
+
 def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConfig,
                      loop_config: dict[str, Any], metrics: dict[str, Any]) -> None:
     """Every rank writes its shard into the step's staging dir and hashes its share of the files; rank 0 commits
-    (the manifest from the ranks' recorded sizes and hashes) after all have finished."""
+    (the manifest from the ranks' recorded sizes and hashes) after all have finished. A job whose run lock was
+    taken over stops here (LockLostError) before writing anything, and rank 0's commit re-checks the lock right
+    before each visible change."""
     tc = job.train
+    store.check_fence(f"save checkpoint step {step}")
     client_state = {"step": step, "data_position": data_position(step, tc.dp, tc.grad_accum_steps)}
     staging = store.staging_dir(step)
     stage.save(staging, client_state)
