@@ -284,8 +284,12 @@ class RunLock:
         return Fence(self._info.token, self._info.generation)
 
     def check(self, action: str) -> None:
-        """Raise LockLostError when this job no longer holds the lock (heartbeat saw it go, or the file says so)."""
+        """Raise LockLostError when this job no longer holds the lock: the file holds another acquisition (or
+        none), or the heartbeat saw it taken even if it has since been given back."""
         check_fence(self.run_root, self.fence, action)
+        if self.lost:
+            raise LockLostError(f"run {self.run_root.uri}: this job's heartbeat found its run lock taken by another "
+                                f"job; refused to {action}. This job stops and writes nothing more to the run.")
 
     def holder(self) -> LockInfo | None:
         """The current lock content, or None when unlocked/unreadable."""

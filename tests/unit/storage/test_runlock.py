@@ -250,3 +250,13 @@ def test_generation_counts_every_acquisition_and_fences_the_previous_holder(run)
     third.release()
     with pytest.raises(LockLostError, match="not held by anyone"):
         check_fence(run, old_fence, "delete partial checkpoints")
+
+
+def test_check_refuses_once_the_heartbeat_saw_the_lock_go(run):
+    lock = RunLock(run, heartbeat_interval_s=None)
+    lock.acquire()
+    lock.check("commit checkpoint step 1")
+    lock.lost = True  # what _beat sets when it finds another token, even if that job has released since
+    with pytest.raises(LockLostError, match="heartbeat found its run lock taken.*commit checkpoint step 2"):
+        lock.check("commit checkpoint step 2")
+    lock.release()
