@@ -74,13 +74,20 @@ class StorageConfig:
     """Storage root: a POSIX path (a Lustre/GPFS/WekaFS mount), file://, s3:// or hdfs:// URI. Runs live under
     <root>/<user>/<project>/<run_name>/."""
     user: str = ""
-    """Namespace owner; empty means RAYTRAIN_USER, then USER/LOGNAME from the environment."""
+    """Namespace folder under the root; empty means the submitting user (raytrain.storage.submitting_user:
+    RAYTRAIN_USER, `ray job submit --metadata-json '{"user": ...}'`, then USER/LOGNAME outside a submitted job)."""
     project: str = "default"
     """Project folder under the user."""
     run_name: str = "demo"
     """Run folder; a second `raytrain run` with the same name resumes from its latest checkpoint."""
     s3_endpoint: str = ""
     """Override the S3 endpoint (e.g. an on-prem or loopback S3 server); empty uses AWS_ENDPOINT_URL or AWS."""
+    group: str = ""
+    """POSIX group allowed to read the run: its folder gets this group and the setgid bit, so what is written below
+    inherits it. Folders are 0750 and files 0640 either way; empty keeps the user's own group."""
+    init_from_run: str = ""
+    """Another run's folder (URI or path, as `raytrain status` lists it) whose latest checkpoint this run starts
+    from while it has none of its own; that run is only read, never written or deleted."""
 
     def __post_init__(self) -> None:
         _require(bool(self.root), "storage.root", "must not be empty (e.g. ./runs or s3://bucket/raytrain)")
@@ -88,6 +95,8 @@ class StorageConfig:
             _require_name(self.user, "storage.user")
         _require_name(self.project, "storage.project")
         _require_name(self.run_name, "storage.run_name")
+        _require(all(c.isalnum() or c in "._-" for c in self.group), "storage.group",
+                 f"{self.group!r} is not a group name (letters, digits, '.', '_', '-'; see `id -Gn`)")
 
 
 @dataclass(frozen=True)

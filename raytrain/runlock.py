@@ -1,15 +1,17 @@
 """One writer per run: `<run>/.lock` names the job that owns a run directory, so two jobs never interleave
 checkpoints or reports under the same run name.
 
-POSIX (Lustre, GPFS, WekaFS, local): the lock is created with O_CREAT|O_EXCL, which these filesystems make atomic
-across clients. A stale lock is taken over under a second O_EXCL file (`.lock.takeover`), so of several processes
-that find the same stale lock exactly one replaces it; each re-reads the lock afterwards to confirm ownership. The
-heartbeat refreshes the lock under the same marker, so its read-check-write cannot interleave with a takeover (it
-would otherwise overwrite the new holder's lock with its own); while a takeover holds the marker, a beat is skipped.
+Every change of the lock is a compare-and-swap, so of several processes racing exactly one wins, on every backend:
+- create: POSIX O_CREAT|O_EXCL, S3 `If-None-Match: *`, HDFS the namenode's create without overwrite
+  (StorageLocation.create_exclusive);
+- replace (takeover of a stale lock, heartbeat): S3 `If-Match: <etag of what was read>`; POSIX and HDFS under a
+  second exclusively created file (`.lock.takeover`), re-reading the lock under it. HDFS replaces by delete +
+  exclusive create: a job that slips into that gap wins, and the replacing job finds it has lost.
 
-S3 / HDFS (best effort): pyarrow offers no exclusive create there, so acquire is read → write → wait `settle_s` →
-re-read. Two jobs starting within `settle_s` of each other can both believe they hold the lock; the lock still
-stops the common case (a second job started on a run that is in use) with a clear message.
+Fencing: each acquisition (fresh or takeover) gets a generation one higher than any before it in this run
+(`.lock.generation` remembers the last across releases). Writers carry `Fence(token, generation)` and call
+`check_fence` right before a commit or a delete: a job whose lock was taken over is refused (LockLostError)
+instead of writing next to the new owner.
 
 Staleness: a lock from this host is stale when its process is gone (pid dead, a zombie, or reused by a process
 started after the lock). A lock from another host is stale when its heartbeat (or the file's mtime, whichever is
@@ -26,13 +28,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from raytrain import s3
 from raytrain.errors import RaytrainError
-from raytrain.storage import StorageLocation, default_user, fsync_dir
+from raytrain.storage import StorageLocation, default_user
 
 LOCK_NAME = ".lock"
 TAKEOVER_NAME = ".lock.takeover"
+GENERATION_NAME = ".lock.generation"
 # A takeover holds its marker for milliseconds; one older than this was left by a process killed mid-takeover.
 TAKEOVER_STALE_S = 30.0
 
@@ -55,6 +59,8 @@ class LockInfo:
     """Epoch seconds of the holder's last heartbeat (= start_time without a heartbeat thread)."""
     token: str
     """Random id of this acquisition; ownership is checked by token, never by pid alone."""
+    generation: int = 0
+    """Acquisition number in this run: one more than the lock this one created or took over (0: an older lock)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
@@ -71,9 +77,45 @@ class LockInfo:
                 user=str(raw.get("user", "?")),
                 heartbeat=float(raw.get("heartbeat", raw["start_time"])),
                 token=str(raw.get("token", "")),
+                generation=int(raw.get("generation", 0)),
             )
         except (ValueError, KeyError, TypeError):
             return None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What a job's writers (the driver, Ray Train rank 0) carry to prove they still own the run."""
+
+    token: str
+    """LockInfo.token of the job's acquisition."""
+    generation: int
+    """LockInfo.generation of it."""
+
+
+class LockLostError(RaytrainError):
+    """This job's run lock was taken over: it must stop and write nothing more."""
+
+
+def check_fence(run_root: StorageLocation, fence: Fence, action: str) -> None:
+    """Return when `<run_root>/.lock` still holds `fence`; else raise LockLostError naming the new holder and what
+    was refused (`action`, e.g. "commit checkpoint step 40"). One small read: call it right before a write that
+    another owner must not see."""
+    try:
+        raw = run_root.join(LOCK_NAME).read_text()
+    except FileNotFoundError:
+        raw = ""
+    current = LockInfo.from_json(raw) if raw else None
+    if current is not None and (current.token, current.generation) == (fence.token, fence.generation):
+        return
+    now = (f"held by {current.user}@{current.host} pid {current.pid} (generation {current.generation})"
+           if current is not None else "not held by anyone")
+    raise LockLostError(
+        f"run {run_root.uri}: this job lost its run lock (generation {fence.generation}); the lock is now {now}. "
+        f"Refused to {action}: this job stops and writes nothing more to the run. Another job took the run over "
+        f"(this job's heartbeat looked stale to it). See `raytrain status {run_root.uri}`; to go on training, "
+        "stop the other job and run this one again (it resumes from the latest checkpoint)."
+    )
 
 
 def stale_reason(
@@ -120,6 +162,77 @@ def process_alive(pid: int, not_started_after_s: float | None = None) -> bool:
     return not (not_started_after_s is not None and start_epoch_s > not_started_after_s + 2.0)
 
 
+class _MarkerBusy(Exception):
+    """Another process holds the takeover marker (POSIX/HDFS) longer than we may wait."""
+
+
+class _LockFile:
+    """Compare-and-swap on the lock file, per backend. A `version` names what was read: the S3 ETag, else the
+    text itself (POSIX and HDFS compare content under the takeover marker)."""
+
+    def __init__(self, run_root: StorageLocation):
+        self.loc = run_root.join(LOCK_NAME)
+        self.marker = run_root.join(TAKEOVER_NAME)
+        self.s3 = run_root.scheme == "s3"
+
+    def read(self) -> tuple[str, str] | None:
+        """(text, version) of the lock, None when there is none."""
+        if self.s3:
+
+            got = s3.read(self.loc.uri, self.loc.path, self.loc.s3_endpoint)
+            return None if got is None else (got[0].decode("utf-8", "replace"), got[1])
+        try:
+            raw = self.loc.read_text()
+        except FileNotFoundError:
+            return None
+        return raw, raw
+
+    def create(self, text: str) -> str | None:
+        """Create the lock holding `text` when there is none; its version, or None when one exists."""
+        if self.s3:
+
+            return s3.create(self.loc.uri, self.loc.path, text.encode("utf-8"), self.loc.s3_endpoint)
+        return text if self.loc.create_exclusive(text) else None
+
+    def replace(self, version: str, text: str, wait_s: float) -> str | None:
+        """Replace the lock by `text` only while it is still `version`; the new version, or None when it changed.
+        Raises _MarkerBusy when another process holds the takeover marker for more than `wait_s`."""
+        if self.s3:
+
+            return s3.replace(self.loc.uri, self.loc.path, text.encode("utf-8"), version, self.loc.s3_endpoint)
+        if not self._take_marker(wait_s):
+            raise _MarkerBusy
+        try:
+            current = self.read()
+            if current is None or current[1] != version:
+                return None
+            if self.loc.is_posix:
+                self.loc.write_atomic(text)
+            else:  # HDFS: no atomic overwrite; whoever creates in the gap wins and we have lost
+                self.loc.delete_file()
+                if not self.loc.create_exclusive(text):
+                    return None
+            return text
+        finally:
+            self.marker.delete_file()
+
+    def _take_marker(self, wait_s: float) -> bool:
+        """Create the takeover marker; False when another process still holds it after `wait_s`. A marker older
+        than TAKEOVER_STALE_S was left by a killed process and is removed."""
+        deadline = time.monotonic() + wait_s
+        while not self.marker.create_exclusive(uuid.uuid4().hex):
+            mtime_s = self.marker.mtime_s()
+            if mtime_s is not None and time.time() - mtime_s > TAKEOVER_STALE_S:
+                log.warning("removing takeover marker %s left %.0fs ago by a killed process", self.marker.uri,
+                            time.time() - mtime_s)
+                self.marker.delete_file()
+                continue
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+
 class RunLock:
     """Exclusive ownership of a run directory. Use as `with RunLock(run_root): ...` or acquire()/release()."""
 
@@ -129,12 +242,11 @@ class RunLock:
         *,
         stale_after_s: float = 600.0,
         heartbeat_interval_s: float | None = 60.0,
-        settle_s: float = 1.0,
         user: str | None = None,
     ):
         """`stale_after_s`: heartbeat age after which another host's lock is taken over.
         `heartbeat_interval_s`: period of the heartbeat thread (None = no thread; keep it well under
-        stale_after_s). `settle_s`: wait before the confirming re-read on S3/HDFS. `user`: recorded holder name."""
+        stale_after_s). `user`: recorded holder name (the submitting user)."""
         if stale_after_s <= 0:
             raise RaytrainError(f"stale_after_s={stale_after_s} must be > 0 (seconds)")
         if heartbeat_interval_s is not None and not 0 < heartbeat_interval_s < stale_after_s:
@@ -145,19 +257,37 @@ class RunLock:
         self.lock_loc = run_root.join(LOCK_NAME)
         self.stale_after_s = stale_after_s
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.settle_s = settle_s
         self._user = user
+        self._file = _LockFile(run_root)
         self._info: LockInfo | None = None
+        self._version = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False
-        """Set when the heartbeat found the lock taken by someone else (this job should stop writing)."""
+        """Set when the heartbeat found the lock taken by someone else (this job must stop writing: check())."""
+        self.beats = threading.Semaphore(0)
+        """Released once per heartbeat attempt that finished (written, skipped or lost): tests wait on it."""
 
     # ---- public -------------------------------------------------------------------------------------------
     @property
     def owned(self) -> bool:
         """True between a successful acquire() and release()."""
         return self._info is not None
+
+    @property
+    def fence(self) -> Fence:
+        """This acquisition's token and generation, for writers to pass to check_fence."""
+        if self._info is None:
+            raise RaytrainError(f"run lock {self.lock_loc.uri} is not held by this job")
+        return Fence(self._info.token, self._info.generation)
+
+    def check(self, action: str) -> None:
+        """Raise LockLostError when this job no longer holds the lock: the file holds another acquisition (or
+        none), or the heartbeat saw it taken even if it has since been given back."""
+        check_fence(self.run_root, self.fence, action)
+        if self.lost:
+            raise LockLostError(f"run {self.run_root.uri}: this job's heartbeat found its run lock taken by another "
+                                f"job; refused to {action}. This job stops and writes nothing more to the run.")
 
     def holder(self) -> LockInfo | None:
         """The current lock content, or None when unlocked/unreadable."""
@@ -170,25 +300,31 @@ class RunLock:
             return self._info
         self.run_root.mkdirs()
         now = time.time()
-        user = self._user or _safe_user()
-        info = LockInfo(socket.gethostname(), os.getpid(), now, user, now, uuid.uuid4().hex)
+        last = self._last_generation()
+        info = LockInfo(socket.gethostname(), os.getpid(), now, self._user or _safe_user(), now,
+                        uuid.uuid4().hex, last + 1)
         for _ in range(5):  # retries only when the lock vanished or changed under us
-            if self.run_root.is_posix:
-                if self._posix_create(info):
-                    return self._owned(info)
-            elif self._read_raw() is None:
-                self.lock_loc.write_atomic(info.to_json())
-                return self._confirm(info, took_over=None)
-            raw = self._read_raw()
-            if raw is None:
+            version = self._file.create(info.to_json())
+            if version is not None:
+                return self._owned(info, version)
+            current = self._file.read()
+            if current is None:
                 continue  # released between our create and read
+            raw, seen = current
             reason = self._judge(raw)
-            if self.run_root.is_posix:
-                if self._posix_take_over(raw, info):
-                    return self._confirm(info, took_over=(raw, reason))
-            else:
-                self.lock_loc.write_atomic(info.to_json())
-                return self._confirm(info, took_over=(raw, reason))
+            old = LockInfo.from_json(raw)
+            info = replace(info, generation=max(last, old.generation if old else 0) + 1)
+            try:
+                version = self._file.replace(seen, info.to_json(), wait_s=5.0)
+            except _MarkerBusy:
+                raise RaytrainError(
+                    f"another process is taking over {self.lock_loc.uri} right now; retry, or delete "
+                    f"{self.run_root.join(TAKEOVER_NAME).uri} if it stays"
+                ) from None
+            if version is not None:
+                who = f"{old.user}@{old.host} pid {old.pid}" if old else "an unreadable lock"
+                log.warning("took over stale run lock %s from %s: %s", self.lock_loc.uri, who, reason)
+                return self._owned(info, version)
         raise RaytrainError(f"could not acquire {self.lock_loc.uri}: it kept changing under us; retry")
 
     def release(self) -> None:
@@ -249,53 +385,18 @@ class RunLock:
             f"{self.stale_after_s:g}s (other hosts)."
         )
 
-    def _posix_create(self, info: LockInfo) -> bool:
-        path = self.lock_loc.path
+    def _last_generation(self) -> int:
+        """The generation of the last acquisition of this run (0 for a new run)."""
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        try:
-            os.write(fd, info.to_json().encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(os.path.dirname(path))
-        return True
+            return int(self.run_root.join(GENERATION_NAME).read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
 
-    def _posix_take_over(self, stale_raw: str, info: LockInfo) -> bool:
-        """Replace the stale lock `stale_raw` by ours under the takeover marker; False when it changed meanwhile."""
-        marker = self._take_marker(info.token, wait_s=5.0)
-        if marker is None:
-            raise RaytrainError(
-                f"another process is taking over {self.lock_loc.uri} right now; retry, or delete "
-                f"{self.run_root.join(TAKEOVER_NAME).path} if it stays"
-            )
-        try:
-            if self._read_raw() != stale_raw:
-                return False  # someone took it over (or released it) before we got the marker: judge again
-            self.lock_loc.write_atomic(info.to_json())
-            return True
-        finally:
-            _unlink_quiet(marker)
-
-    def _confirm(self, info: LockInfo, took_over: tuple[str, str] | None) -> LockInfo:
-        if not self.run_root.is_posix:
-            time.sleep(self.settle_s)  # let a concurrent writer's PUT land before we check who won
-        current = self.holder()
-        if current is None or current.token != info.token:
-            if current is None:
-                raise RaytrainError(f"run lock {self.lock_loc.uri} vanished while we took it; retry")
-            raise self._held_error(current)
-        if took_over is not None:
-            old = LockInfo.from_json(took_over[0])
-            who = f"{old.user}@{old.host} pid {old.pid}" if old else "an unreadable lock"
-            log.warning("took over stale run lock %s from %s: %s", self.lock_loc.uri, who, took_over[1])
-        return self._owned(info)
-
-    def _owned(self, info: LockInfo) -> LockInfo:
-        self._info = info
+    def _owned(self, info: LockInfo, version: str) -> LockInfo:
+        self._info, self._version = info, version
         self.lost = False
+        # Remembered beside the lock so the next acquisition counts on after a release deleted the lock.
+        self.run_root.join(GENERATION_NAME).write_atomic(f"{info.generation}\n")
         if self.heartbeat_interval_s is not None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._heartbeat_loop, name="raytrain-runlock", daemon=True)
@@ -313,59 +414,26 @@ class RunLock:
                     return
             except OSError as exc:  # a storage hiccup must not kill the job; the next beat retries
                 log.warning("run lock heartbeat on %s failed: %s", self.lock_loc, exc)
+            finally:
+                self.beats.release()
 
     def _beat(self, info: LockInfo) -> bool:
         """One heartbeat: refresh the lock if it is still ours. False when it was taken (sets `lost`)."""
-        marker = None
-        if self.run_root.is_posix:
-            marker = self._take_marker(info.token, wait_s=0.0)
-            if marker is None:
-                return True  # a takeover is deciding right now; the next beat sees its outcome
+        beat = replace(info, heartbeat=time.time())
         try:
-            current = self.holder()
-            if current is None or current.token != info.token:
-                self.lost = True
-                log.error("run lock %s was taken by %s; this job no longer owns the run", self.lock_loc, current)
-                return False
-            beat = LockInfo(**{**asdict(info), "heartbeat": time.time()})
-            self.lock_loc.write_atomic(beat.to_json())
-            return True
-        finally:
-            if marker is not None:
-                _unlink_quiet(marker)
-
-    def _take_marker(self, token: str, wait_s: float) -> str | None:
-        """Create the takeover marker (POSIX, O_EXCL) and return its path; None if another process still holds it
-        after `wait_s`. A marker older than TAKEOVER_STALE_S was left by a killed process and is removed."""
-        marker = self.run_root.join(TAKEOVER_NAME).path
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    age_s = time.time() - os.stat(marker).st_mtime
-                except FileNotFoundError:
-                    continue
-                if age_s > TAKEOVER_STALE_S:
-                    log.warning("removing takeover marker %s left %.0fs ago by a killed process", marker, age_s)
-                    _unlink_quiet(marker)
-                    continue
-                if time.monotonic() >= deadline:
-                    return None
-                time.sleep(0.05)
-                continue
-            try:
-                os.write(fd, token.encode())
-            finally:
-                os.close(fd)
-            return marker
+            version = self._file.replace(self._version, beat.to_json(), wait_s=0.0)
+        except _MarkerBusy:
+            return True  # a takeover is deciding right now; the next beat sees its outcome
+        if version is None:
+            self.lost = True
+            log.error("run lock %s was taken by %s; this job no longer owns the run", self.lock_loc, self.holder())
+            return False
+        self._version = version
+        return True
 
     def _read_raw(self) -> str | None:
-        try:
-            return self.lock_loc.read_text()
-        except FileNotFoundError:
-            return None
+        got = self._file.read()
+        return None if got is None else got[0]
 
 
 def _safe_user() -> str:
@@ -373,13 +441,6 @@ def _safe_user() -> str:
         return default_user()
     except RaytrainError:
         return "unknown"
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _proc_stat(pid: int) -> tuple[str, float] | None:

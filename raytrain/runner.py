@@ -6,17 +6,21 @@ output for the same settings, so running the same run name again resumes trainin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain.config import JobConfig
 from raytrain.console import framework_output_captured, hook_worker_output
 from raytrain.errors import ConfigError, RaytrainError
-from raytrain.storage import StorageLocation, default_user, resolve, run_root
+from raytrain.storage import StorageLocation, apply_run_umask, resolve, run_root, secure_run_dir, submitting_user
+
+if TYPE_CHECKING:
+    from raytrain.runlock import Fence
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,10 @@ FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKE
 class Run:
     job: JobConfig
     root: StorageLocation  # <storage.root>/<user>/<project>/<run_name>
+    user: str = ""
+    """The submitting user this job acts for (raytrain.storage.submitting_user): the run's owner."""
+    fence: Fence | None = None
+    """The run lock's token and generation while _with_run holds it: every write to the run checks it."""
 
     @property
     def data_hash(self) -> str:
@@ -41,9 +49,17 @@ class Run:
 
 
 def open_run(job: JobConfig) -> Run:
+    """The run `job` names, for the user who submitted it: `<root>/<storage.user or that user>/<project>/<run>`.
+    Raises RaytrainError when no submitting user can be told (a submitted job naming nobody) and RunOwnerError
+    when the run belongs to someone else, before anything is written. Sets this process's umask (0750/0640)."""
+    from raytrain.ownership import check_owner
+
+    apply_run_umask()
     root = resolve(job.storage.root, s3_endpoint=job.storage.s3_endpoint or None)
-    user = default_user(job.storage.user or None)
-    return Run(job=job, root=run_root(root, user, job.storage.project, job.storage.run_name))
+    user = submitting_user(job.storage.user or None)
+    location = run_root(root, job.storage.user or user, job.storage.project, job.storage.run_name)
+    check_owner(location, user)
+    return Run(job=job, root=location, user=user)
 
 
 def connect_ray(job: JobConfig) -> bool:
@@ -151,7 +167,24 @@ def eval_set_paths(run: Run, input_root: StorageLocation) -> tuple[str, ...]:
     return tuple(out)
 
 
+def check_init_from_run(job: JobConfig) -> None:
+    """storage.init_from_run names a run with a committed checkpoint; ConfigError naming the field otherwise."""
+    if not job.storage.init_from_run:
+        return
+    from raytrain.checkpoint.store import CheckpointStore
+
+    source = resolve(job.storage.init_from_run, s3_endpoint=job.storage.s3_endpoint or None)
+    if CheckpointStore(source, read_only=True).latest() is None:
+        raise ConfigError(f"storage.init_from_run={job.storage.init_from_run!r}: no committed checkpoint under "
+                          f"{source.join('checkpoints').uri}; name a run folder as `raytrain status` lists it")
+
+
 def write_report(run: Run, name: str, report: dict[str, Any]) -> StorageLocation:
+    """Write reports/<name> (JSON); refused (LockLostError) once another job holds the run's lock."""
+    if run.fence is not None:
+        from raytrain.runlock import check_fence
+
+        check_fence(run.root, run.fence, f"write reports/{name}")
     loc = run.root.join("reports", name)
     loc.parent.mkdirs()
     loc.write_atomic(json.dumps(report, indent=2, sort_keys=True, default=str))
@@ -204,17 +237,25 @@ def finish_command_log(job: JobConfig, log_path: str) -> None:
 
 def _with_run(job: JobConfig, body):
     """Open the run, join or start Ray, hold the run lock while `body(run)` runs, shut an embedded Ray down."""
+    from raytrain.ownership import claim
     from raytrain.runlock import RunLock
 
     run = open_run(job)
     preflight(run)
+    check_init_from_run(job)
     started_ray = connect_ray(job)
     try:
         run.root.mkdirs()
-        with RunLock(run.root):
-            log.info("run %s", run.root.uri)
+        for folder in (run.root.parent.parent, run.root.parent, run.root):  # <user>/<project>/<run>
+            secure_run_dir(folder, job.storage.group)
+        with RunLock(run.root, user=run.user) as lock:
+            claim(run.root, run.user)
+            run = dataclasses.replace(run, fence=lock.fence)
+            log.info("run %s (owner %s, lock generation %d)", run.root.uri, run.user, run.fence.generation)
             write_session(run)
-            return body(run)
+            result = body(run)
+            lock.check("finish the job")
+            return result
     finally:
         if started_ray:
             import ray
@@ -239,7 +280,7 @@ def _train(run: Run, packed, max_failures: int) -> dict[str, Any]:
     from raytrain.trainer.launch import train
 
     held_out = packed.validation
-    result = train(run.job, run.root, packed, max_failures=max_failures)
+    result = train(run.job, run.root, packed, max_failures=max_failures, fence=run.fence)
     summary = {"run": run.root.uri, "checkpoints": result.checkpoint_dir, "final": result.final_metrics,
                "num_packs": packed.num_packs, "validation_packs": held_out.num_packs if held_out else 0,
                "benchmark_packs": packed.benchmark.num_packs if packed.benchmark else 0,

@@ -128,11 +128,15 @@ def run_summary_lines(run_uri: str) -> list[str]:
     if not any(rdir.join(d).is_dir() for d in ("checkpoints", "data", "reports")):
         raise RaytrainError(f"{rdir.uri} is not a run folder (no checkpoints/, data/ or reports/ in it); runs live at "
                             "<root>/<user>/<project>/<run>/, `raytrain status --root <root>` lists them")
+    from raytrain.ownership import run_owner
+
     lines = [f"run {rdir.uri}"]
+    lines.append(f"  owner        {run_owner(rdir) or '-'}")
     holder = RunLock(rdir).holder()
     session = _read_json(rdir.join("reports", "session.json")) or {}
     if holder:
-        lines.append(f"  running      on {holder.host}:{holder.pid}"
+        lines.append(f"  running      on {holder.host}:{holder.pid} for {holder.user} (lock generation "
+                     f"{holder.generation})"
                      + (f", dashboard {session['dashboard_url']}" if session.get("dashboard_url") else ""))
     else:
         lines.append("  running      no")

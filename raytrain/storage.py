@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
+from raytrain import s3
 from raytrain.errors import RaytrainError
 
 SUPPORTED_SCHEMES = ("file", "s3", "hdfs")
@@ -204,6 +205,21 @@ class StorageLocation:
                 self.filesystem.delete_file(self.path)  # HDFS rename refuses an existing destination
             self.filesystem.move(tmp, self.path)
 
+    def create_exclusive(self, data: bytes | str) -> bool:
+        """Create the file here holding `data` only if nothing is there; True when this call created it.
+
+        Atomic on every backend, so of several processes racing exactly one gets True: POSIX O_CREAT|O_EXCL
+        (atomic across clients on Lustre, GPFS, WekaFS and NFSv3+), S3 a PUT with `If-None-Match: *`
+        (raytrain.s3), HDFS the namenode's create without overwrite (`hdfs dfs -put -d`).
+        """
+        payload = data.encode("utf-8") if isinstance(data, str) else data
+        if self.scheme == "file":
+            return _posix_create_exclusive(self.path, payload)
+        if self.scheme == "s3":
+
+            return s3.create(self.uri, self.path, payload, self.s3_endpoint) is not None
+        return _hdfs_create_exclusive(self, payload)
+
     def delete_file(self, missing_ok: bool = True) -> None:
         """Remove the file here."""
         try:
@@ -311,6 +327,88 @@ def default_user(configured: str | None = None) -> str:
         raise RaytrainError("cannot tell the user name; set user=<name> in the config or RAYTRAIN_USER") from exc
 
 
+SERVICE_USERS = frozenset({"ray"})
+"""OS accounts that run jobs on a cluster (the user of Ray's container images), never a person: a run is never
+named after, or owned by, one of these."""
+
+_HOW_TO_NAME = (
+    "say who you are when you submit: ray job submit --runtime-env-json '{\"env_vars\": {\"RAYTRAIN_USER\": "
+    "\"'$USER'\"}}' ... (or --metadata-json '{\"user\": \"'$USER'\"}', or storage.user=<name>)"
+)
+
+
+def submitting_user(configured: str | None = None) -> str:
+    """The person this job acts for, who owns the runs it creates: $RAYTRAIN_USER (set by the submitter in the
+    job's runtime_env), else the `user` of `ray job submit --metadata-json`, else `configured` (storage.user),
+    else, outside a submitted Ray job, USER/LOGNAME/getpass. Raises RaytrainError inside a submitted job that
+    names nobody (its process runs as the cluster's service account, shared by everyone) and for a service
+    account such as `ray`, saying how to give a name."""
+    named = os.environ.get("RAYTRAIN_USER")
+    if named:
+        return validate_name(named, "RAYTRAIN_USER")
+    metadata = _ray_job_metadata()
+    if metadata.get("user"):
+        return validate_name(str(metadata["user"]), "ray job metadata 'user'")
+    if configured:
+        return validate_name(configured, "storage.user")
+    if metadata.get("job_submission_id"):
+        raise RaytrainError(f"job {metadata['job_submission_id']} names no user, and its process runs as the "
+                            f"cluster's account, shared by everyone who submits; {_HOW_TO_NAME}")
+    user = default_user()
+    if user in SERVICE_USERS:
+        raise RaytrainError(f"this process runs as {user!r}, a service account shared by everyone on the cluster, "
+                            f"not a person; {_HOW_TO_NAME}")
+    return user
+
+
+def _ray_job_metadata() -> dict[str, Any]:
+    """The metadata `ray job submit` gave this job (Ray passes it to the entrypoint in RAY_JOB_CONFIG_JSON_ENV_VAR,
+    with its job_submission_id); {} outside a submitted job."""
+    import json
+
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    except ValueError:
+        return {}
+    metadata = config.get("metadata") if isinstance(config, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
+
+
+RUN_UMASK = 0o027
+"""Process umask for everything a job writes: directories 0750, files 0640 (owner writes, the group reads, other
+users see nothing)."""
+
+
+def apply_run_umask() -> int:
+    """Set RUN_UMASK on this process (driver, trainer worker) so its files, DeepSpeed's and torch.save's included,
+    keep other users out; returns the previous umask."""
+    return os.umask(RUN_UMASK)
+
+
+def secure_run_dir(loc: StorageLocation, group: str = "") -> None:
+    """POSIX run folders: mode 0750; with `group` (storage.group) also that group and the setgid bit, so every
+    file and folder created below inherits the team's group. A no-op on S3/HDFS (bucket policies / HDFS ACLs
+    decide there). Raises RaytrainError when this user may not give the folder that group."""
+    if not loc.is_posix or os.stat(loc.path).st_uid != os.geteuid():
+        return  # another user's folder (a shared parent): theirs to set
+    mode = 0o750
+    if group:
+        import grp
+
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError as exc:
+            raise RaytrainError(f"storage.group={group!r}: no such group on this host; use a group you belong "
+                                "to (`id -Gn`) or leave storage.group empty") from exc
+        try:
+            os.chown(loc.path, -1, gid)
+        except PermissionError as exc:
+            raise RaytrainError(f"storage.group={group!r}: cannot give {loc.path} that group ({exc}); you must "
+                                "be a member of it (`id -Gn`)") from exc
+        mode |= 0o2000
+    os.chmod(loc.path, mode)
+
+
 # ---- internals ---------------------------------------------------------------------------------------------
 def _replace_path(loc: StorageLocation, path: str) -> StorageLocation:
     return StorageLocation(scheme=loc.scheme, path=path, authority=loc.authority, s3_endpoint=loc.s3_endpoint)
@@ -323,13 +421,13 @@ def _reject_dotdot(uri: str, path: str) -> None:
 
 def _filesystem(scheme: str, authority: str, s3_endpoint: str | None) -> pafs.FileSystem:
     """One pyarrow filesystem per store (cached: S3/HDFS clients are costly to build and hold connection pools).
-    S3 clients retry with backoff and time out as ``s3_retry_settings`` says (read per call, so a changed
+    S3 clients retry with backoff and time out as ``raytrain.s3.s3_retry_settings`` says (read per call, so a changed
     RAYTRAIN_S3_* variable takes effect on the next use)."""
     if scheme == "file":
         return _local_filesystem()
     if scheme == "s3":
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        return _s3_filesystem(s3_endpoint, region if s3_endpoint else None, s3_retry_settings())
+        return s3.s3_filesystem(s3_endpoint, region if s3_endpoint else None, s3.s3_retry_settings())
     return _hdfs_filesystem(authority)
 
 
@@ -351,87 +449,46 @@ def _hdfs_filesystem(authority: str) -> pafs.FileSystem:
         ) from exc
 
 
-# ---- S3 retries and timeouts -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class S3RetrySettings:
-    """How every S3 client raytrain builds (pyarrow's and botocore's) retries and times out."""
-
-    max_attempts: int = 10
-    """Attempts per request, the first included (1 = no retry). Throttling (503 SlowDown), 5xx and connection
-    errors are retried with exponential backoff and jitter (the AWS SDKs' "standard" mode)."""
-    connect_timeout_s: float = 10.0
-    """Seconds to open a connection."""
-    request_timeout_s: float = 60.0
-    """Seconds a request may go without receiving data before it is abandoned (and retried)."""
-
-
-_S3_ENV = {
-    "max_attempts": "RAYTRAIN_S3_MAX_ATTEMPTS",
-    "connect_timeout_s": "RAYTRAIN_S3_CONNECT_TIMEOUT_S",
-    "request_timeout_s": "RAYTRAIN_S3_REQUEST_TIMEOUT_S",
-}
+def _posix_create_exclusive(path: str, payload: bytes) -> bool:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, payload)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(os.path.dirname(path))
+    return True
 
 
-def s3_retry_settings() -> S3RetrySettings:
-    """``S3RetrySettings`` defaults, each overridden by its RAYTRAIN_S3_* environment variable when set (read in
-    the process that builds the client). RaytrainError naming the variable for a value out of range."""
-    values: dict[str, Any] = {}
-    for name, var in _S3_ENV.items():
-        raw = os.environ.get(var, "").strip()
-        if not raw:
-            continue
-        try:
-            value = int(raw) if name == "max_attempts" else float(raw)
-        except ValueError:
-            value = 0
-        if not (0 < value < 1e6):  # also refuses nan/inf
-            raise RaytrainError(f"{var}={raw!r}: expected a positive {'whole ' if name == 'max_attempts' else ''}"
-                                f"number (default {getattr(S3RetrySettings, name)})")
-        values[name] = value
-    return S3RetrySettings(**values)
+HDFS_CLI = "hdfs"
+"""The Hadoop CLI used for HDFS's exclusive create (pyarrow's HadoopFileSystem only opens files to overwrite them,
+and its move() replaces an existing file): $HADOOP_HOME/bin/hdfs when set, else `hdfs` on PATH."""
 
 
-class RetryingS3FileSystem(pafs.S3FileSystem):
-    """pafs.S3FileSystem with AWS standard retries that keeps them when pickled: pyarrow's own pickling drops the
-    retry strategy (the copy a Ray task or Ray Train worker unpickles would retry 3 times). The pickled state is
-    pyarrow's constructor dict (Ray Data reads it) plus the settings; credentials are never passed in, each
-    process takes them from the standard AWS chain."""
+def _hdfs_create_exclusive(loc: StorageLocation, payload: bytes) -> bool:
+    """`hdfs dfs -put -d - <uri>`: -d writes straight to the destination (no ._COPYING_ file renamed into
+    place) through FileSystem.create(overwrite=false), which the namenode refuses when the file exists."""
+    import shutil
+    import subprocess
 
-    def __init__(self, settings: S3RetrySettings, **options: Any) -> None:
-        super().__init__(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=settings.max_attempts),
-                         connect_timeout=settings.connect_timeout_s, request_timeout=settings.request_timeout_s,
-                         **options)
-        self._settings = settings
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        _, (state,) = super().__reduce__()
-        return _rebuild_s3_filesystem, ({**state, _SETTINGS_KEY: self._settings},)
-
-
-_SETTINGS_KEY = "raytrain_retry_settings"
-
-
-def _rebuild_s3_filesystem(state: dict[str, Any]) -> RetryingS3FileSystem:
-    options = {k: v for k, v in state.items() if k not in (_SETTINGS_KEY, "connect_timeout", "request_timeout")}
-    return RetryingS3FileSystem(state[_SETTINGS_KEY], **options)
-
-
-@functools.lru_cache(maxsize=32)
-def _s3_filesystem(endpoint: str | None, region: str | None, settings: S3RetrySettings) -> RetryingS3FileSystem:
-    if endpoint is None:
-        return RetryingS3FileSystem(settings)
-    split = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
-    return RetryingS3FileSystem(settings, endpoint_override=split.netloc, scheme=split.scheme, region=region)
-
-
-def s3_client_config() -> Any:
-    """The botocore ``Config`` for any boto3/botocore S3 client in raytrain: the same retries and timeouts as the
-    pyarrow filesystem (``s3_retry_settings``), botocore's "standard" retry mode. Needs botocore installed."""
-    from botocore.config import Config
-
-    settings = s3_retry_settings()
-    return Config(retries={"mode": "standard", "total_max_attempts": settings.max_attempts},
-                  connect_timeout=settings.connect_timeout_s, read_timeout=settings.request_timeout_s)
+    home = os.environ.get("HADOOP_HOME")
+    cli = os.path.join(home, "bin", HDFS_CLI) if home and os.path.exists(os.path.join(home, "bin", HDFS_CLI)) \
+        else shutil.which(HDFS_CLI)
+    if cli is None:
+        raise RaytrainError(f"{loc.uri}: the HDFS run lock needs the `hdfs` command (set HADOOP_HOME or PATH)")
+    loc.parent.mkdirs()
+    done = subprocess.run([cli, "dfs", "-put", "-d", "-", loc.uri], input=payload, capture_output=True,
+                          check=False)
+    if done.returncode == 0:
+        return True
+    err = done.stderr.decode("utf-8", "replace")
+    if "File exists" in err or "FileAlreadyExistsException" in err:
+        return False
+    raise RaytrainError(f"{loc.uri}: `hdfs dfs -put -d` failed ({done.returncode}): {err.strip()[:500]}")
 
 
 def _posix_write_atomic(path: str, payload: bytes) -> None:

@@ -16,6 +16,10 @@ What is visible when:
   the commit marker; a step prefix without a manifest is a partial. `latest` is written after the manifest.
 
 Call `cleanup_partials()` once when a job starts (before any rank stages), never while ranks are writing.
+
+Fencing: a store given the job's run-lock `fence` re-reads `<run>/.lock` before each step of a commit that others
+can see (the manifest, the rename, `latest`, retention) and before cleanup_partials(); once another job holds the
+run it raises LockLostError and writes nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from raytrain.checkpoint.layout import (
     step_dir_name,
 )
 from raytrain.errors import RaytrainError
+from raytrain.runlock import Fence, check_fence
 from raytrain.storage import CHECKPOINTS_DIR, StorageLocation, fsync_dir
 
 MANIFEST_FORMAT = 1
@@ -97,12 +102,17 @@ class CheckpointStore:
         *,
         protect: Iterable[int] = (),
         local_staging_root: str | None = None,
+        fence: Fence | None = None,
+        read_only: bool = False,
     ):
         """`keep_last`: newest checkpoints kept (None = all). `keep_best`: name of a metric in
         metadata["metrics"] whose best checkpoint is also kept; `mode`: "min" or "max" for it. `on_corrupt`:
         "error" raises on a bad checkpoint, "fallback" makes verify() return the newest earlier good one.
         `protect`: steps never deleted (the one resumed from). `local_staging_root`: node-local directory for
-        staging on s3/hdfs (default: the system temp dir)."""
+        staging on s3/hdfs (default: the system temp dir). `fence`: the run lock's token and generation of the job
+        that writes; commit() and cleanup_partials() refuse (LockLostError) once the run's lock holds another.
+        `read_only`: a store this job only reads (another run's, storage.init_from_run): it never writes or
+        deletes."""
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise RaytrainError(f"keep_last={keep_last!r} must be an int >= 1, or None to keep every checkpoint")
         if mode not in ("min", "max"):
@@ -119,6 +129,8 @@ class CheckpointStore:
         self.on_corrupt = on_corrupt
         self._protected = set(protect)
         self._local_staging_root = local_staging_root or tempfile.gettempdir()
+        self._fence = fence
+        self.read_only = read_only
 
     # ---- writing (every rank) -----------------------------------------------------------------------------
     def staging_dir(self, step: int) -> str:
@@ -218,19 +230,32 @@ class CheckpointStore:
             "created_at": _now_iso(),
             "writer": {"raytrain": __version__, "host": socket.gethostname(), "pid": os.getpid()},
         }
+        self.check_fence(f"commit checkpoint step {step}")  # on S3 the manifest is what makes it committed
         src.join(MANIFEST_NAME).write_atomic(json.dumps(manifest, indent=1, sort_keys=True))
         for rel in listing:
             if not is_payload_file(rel) and rel != MANIFEST_NAME:
                 src.join(rel).delete_file()
         if self._renames:
+            self.check_fence(f"publish checkpoint step {step}")  # right before the rename that makes it visible
             self._publish_by_rename(step)
+        self.check_fence(f"point {LATEST_NAME} at checkpoint step {step}")
         self.root.join(LATEST_NAME).write_atomic(step_dir_name(step) + "\n")
         if self.keep_best and self.keep_best not in metadata_json.get("metrics", {}):
             log.warning(
                 "commit(step=%d): metadata['metrics'] has no %r (keep_best); it cannot rank", step, self.keep_best
             )
+        self.check_fence("delete old checkpoints (retention)")
         self._apply_retention({step, *protect})
         return self._final(step).uri
+
+    def check_fence(self, action: str) -> None:
+        """Raise when this store may not `action`: LockLostError when the run's lock no longer holds this job's
+        fence, RaytrainError on a read-only store. A no-op for a store built without a fence (tools, tests)."""
+        if self.read_only:
+            raise RaytrainError(f"{self.run_root.uri} is opened read-only (another run's checkpoints); refused to "
+                                f"{action}")
+        if self._fence is not None:
+            check_fence(self.run_root, self._fence, action)
 
     def protect(self, step: int) -> None:
         """Never delete `step` in retention (call with the step a run resumed from)."""
@@ -316,7 +341,10 @@ class CheckpointStore:
     # ---- housekeeping -------------------------------------------------------------------------------------
     def cleanup_partials(self) -> list[str]:
         """Remove leftovers of unfinished saves (partial dirs, trash; on S3 step prefixes without a manifest).
-        Returns the removed URIs. Run only while no rank is staging."""
+        Returns the removed URIs. Run only while no rank is staging. A read-only store removes nothing."""
+        if self.read_only:
+            return []
+        self.check_fence("delete unfinished checkpoints")
         names = self.root.listdir()
         doomed = [self.root.join(n) for n in partial_names(names)]
         if not self._renames:

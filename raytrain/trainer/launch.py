@@ -17,6 +17,7 @@ from raytrain.config import JobConfig
 from raytrain.dataset.stream import PackedData
 from raytrain.errors import RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
+from raytrain.runlock import Fence
 from raytrain.storage import StorageLocation
 from raytrain.trainer.evaluation import PackedFiles
 from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
@@ -78,9 +79,11 @@ def user_error(error: BaseException) -> RaytrainError | None:
     return None
 
 
-def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_failures: int = 0) -> TrainResult:
+def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_failures: int = 0,
+          fence: Fence | None = None) -> TrainResult:
     """Fit the TorchTrainer on the ``packed`` sequences; their validation packs (``packed.validation``) give the
-    eval loss every train.eval_every steps and at the end."""
+    eval loss every train.eval_every steps and at the end. ``fence``: the driver's run-lock token and generation;
+    the workers' checkpoint store refuses to commit or clean up once the run's lock holds another."""
     tc = job.train
     num_packs = packed.num_packs
     validation = _evaluable(packed.validation, "validation", tc.micro_batch_size, tc.dp)
@@ -102,7 +105,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         validation=_files_of(validation) if validation is not None else None,
         benchmark=_files_of(benchmark) if benchmark is not None else None,
         local_reports_dir=run_root.join("reports").path if run_root.scheme == "file" else None,
-        versions=software_versions())
+        versions=software_versions(), fence=fence)
     storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,

@@ -26,7 +26,8 @@ from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig
 from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
-from raytrain.storage import resolve
+from raytrain.runlock import Fence
+from raytrain.storage import apply_run_umask, resolve
 from raytrain.trainer.evaluation import Evaluator, OpenPacks, PackedFiles, PackSource, Samples
 from raytrain.trainer.feed import FeedTrace, micro_batches
 from raytrain.trainer.metrics_sink import MetricsSink
@@ -54,6 +55,8 @@ class LoopConfig:
     """<run>/reports on a POSIX run root (metrics.jsonl, TensorBoard, traces); None on object stores."""
     versions: dict[str, str] = field(default_factory=dict)
     """Software versions recorded in each checkpoint's manifest."""
+    fence: Fence | None = None
+    """The driver's run lock (token, generation): commits and cleanups check the lock still holds it."""
 
 
 def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
@@ -71,8 +74,9 @@ def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
                                activation_checkpoint_reentrant=tc.activation_checkpoint_reentrant,
                                seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl)
     endpoint = job.storage.s3_endpoint or None
+    apply_run_umask()  # DeepSpeed's and torch.save's files: 0640 (a worker on another node has the node's umask)
     store = CheckpointStore(resolve(cfg.run_uri, s3_endpoint=endpoint), keep_last=tc.keep_last,
-                            keep_best=tc.keep_best or None, on_corrupt=tc.on_corrupt_checkpoint)
+                            keep_best=tc.keep_best or None, on_corrupt=tc.on_corrupt_checkpoint, fence=cfg.fence)
     train(cfg, stage, store, lambda packed: PackSource(packed, endpoint), report=ray.train.report,
           mfu_of=lambda tokens_per_s: mfu(tokens_per_s, model_cfg, job.dataset.seq_len,
                                                    tc.peak_tflops * 1e12 * tc.num_workers))
@@ -87,7 +91,7 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
     job, tc = cfg.job, cfg.job.train
     topo = Topology(pp=stage.num_stages, dp=stage.num_replicas, stage=stage.stage, dp_rank=stage.dp_rank,
                     world_rank=stage.world_rank)
-    step, resumed_metrics = _resume(stage, store, topo, tc)
+    step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc)
     train_packs = open_packs(cfg.packed)
     feed = _Feed(train_packs, topo, tc, step) if topo.needs_data else None
     held = {metric: open_packs(packed) for metric, packed in (("eval_loss", cfg.validation),
@@ -234,10 +238,24 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     return step, dict(ckpt.manifest.get("metadata", {}).get("metrics") or {})
 
 
+def _resume_source(store: CheckpointStore, job: JobConfig) -> CheckpointStore:
+    """Where to resume from: this run's store, or, while the run has no checkpoint of its own and
+    storage.init_from_run names another run, that run's store opened read-only (never written or cleaned)."""
+    if not job.storage.init_from_run or store.latest() is not None:
+        return store
+    if dist.get_rank() == 0:
+        store.cleanup_partials()  # this run's own leftovers (the source's are never touched); _resume's barrier follows
+    source = resolve(job.storage.init_from_run, s3_endpoint=job.storage.s3_endpoint or None)
+    return CheckpointStore(source, on_corrupt=job.train.on_corrupt_checkpoint, read_only=True)
+
+
 def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, cfg: LoopConfig, metrics: dict[str, Any]) -> None:
     """Every rank writes its shard into the step's staging dir and hashes its share of the files; rank 0 commits
-    (the manifest from the ranks' recorded sizes and hashes) after all have finished."""
+    (the manifest from the ranks' recorded sizes and hashes) after all have finished. A job whose run lock was
+    taken over stops here (LockLostError) before writing anything, and rank 0's commit re-checks the lock right
+    before each visible change."""
     job, tc = cfg.job, cfg.job.train
+    store.check_fence(f"save checkpoint step {step}")
     client_state = {"step": step, "data_position": data_position(step, tc.dp, tc.grad_accum_steps)}
     staging = store.staging_dir(step)
     stage.save(staging, client_state)

@@ -165,6 +165,11 @@ def test_second_launch_resumes_from_s3(resumed, s3):
     summary = json.loads(s3.get_object(Bucket=BUCKET, Key="raytrain/ci/demo/s3run/reports/run_summary.json")
                          ["Body"].read())
     assert summary["final"]["step"] == MAX_STEPS and summary["run"] == f"s3://{BUCKET}/raytrain/ci/demo/s3run"
+    # the S3 run lock (conditional writes): two launches, two generations; released at the end; the owner recorded
+    run_prefix = "raytrain/ci/demo/s3run/"
+    assert s3.get_object(Bucket=BUCKET, Key=run_prefix + ".lock.generation")["Body"].read().strip() == b"2"
+    assert run_prefix + ".lock" not in _keys(s3, run_prefix)
+    assert json.loads(s3.get_object(Bucket=BUCKET, Key=run_prefix + "owner.json")["Body"].read())["user"] == "ci"
 
 
 def test_resumed_s3_run_matches_uninterrupted_posix_run(resumed, s3_run, s3_endpoint, tmp_path_factory):

@@ -126,6 +126,27 @@ def test_checkpoints_committed(first_run):
     assert any("layer_04-model_states.pt" in f for f in files)
 
 
+def test_run_is_owned_fenced_and_closed_to_other_users(first_run):
+    """The run records its owner and its lock's generation (one acquisition so far); the folders down to it are
+    0750 and every checkpoint file the trainer workers (DeepSpeed's torch.save, the store) wrote is 0640."""
+    import stat
+
+    _, job, _ = first_run
+    run = open_run(job)
+    assert json.loads(run.root.join("owner.json").read_text())["user"] == "ci"
+    assert run.root.join(".lock.generation").read_text().strip() == "1"
+    for folder in (run.root.parent.parent, run.root.parent, run.root):
+        assert stat.S_IMODE(os.stat(folder.path).st_mode) & 0o777 == 0o750, folder.path
+    checkpoints = run.root.join("checkpoints").path
+    modes = {}
+    for dirpath, dirs, names in os.walk(checkpoints):
+        for name in dirs + names:
+            modes[os.path.relpath(os.path.join(dirpath, name), checkpoints)] = \
+                stat.S_IMODE(os.stat(os.path.join(dirpath, name)).st_mode) & 0o777
+    assert modes and all(mode == (0o750 if os.path.isdir(os.path.join(checkpoints, rel)) else 0o640)
+                         for rel, mode in modes.items()), modes
+
+
 def test_both_stages_consumed_identical_micro_batches(first_run):
     _, job, _ = first_run
     reports = open_run(job).root.join("reports")

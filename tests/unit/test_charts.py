@@ -111,6 +111,7 @@ def test_status_of_one_run(tmp_path):
     lines = run_summary_lines(str(run))
     text = "\n".join(lines)
     assert lines[0] == f"run file://{run}"
+    assert "owner        ci" in text  # no owner.json (written by a job): the namespace folder's user
     assert "running      no" in text
     assert "step 10, loss 9.4000, eval loss 9.4500 at step 10, 10,000 tokens seen" in text
     assert "checkpoints  2 (steps 5, 10)" in text
@@ -137,9 +138,10 @@ def test_status_shows_the_dashboard_of_a_running_run(tmp_path):
     (run / "reports").mkdir(parents=True, exist_ok=True)
     (run / "reports" / "session.json").write_text(json.dumps({"dashboard_url": "http://127.0.0.1:8265"}))
     assert "dashboard" not in cli("status", "--root", str(root)).stdout  # not running: no dashboard to visit
-    with RunLock(resolve(str(run)), heartbeat_interval_s=None):
+    with RunLock(resolve(str(run)), heartbeat_interval_s=None, user="ci"):
         table = cli("status", "--root", str(root))
         one = cli("status", str(run))
     assert table.returncode == 0 and one.returncode == 0, table.stderr + one.stderr
     assert "live: running, Ray dashboard http://127.0.0.1:8265" in table.stdout
-    assert re.search(r"running +on \S+:\d+, dashboard http://127\.0\.0\.1:8265", one.stdout), one.stdout
+    assert re.search(r"running +on \S+:\d+ for ci \(lock generation 1\), dashboard http://127\.0\.0\.1:8265",
+                     one.stdout), one.stdout

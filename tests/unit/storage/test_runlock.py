@@ -12,7 +12,7 @@ import time
 import pytest
 
 from raytrain.errors import RaytrainError
-from raytrain.runlock import LockInfo, RunLock, stale_reason
+from raytrain.runlock import LockInfo, LockLostError, RunLock, check_fence, stale_reason
 from raytrain.storage import resolve, run_root
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -192,7 +192,8 @@ def test_heartbeat_refreshes_and_detects_loss(run):
     os.replace(path + ".tmp", path)
     os.unlink(marker)
     assert _wait_for(lambda: lock.lost)
-    time.sleep(0.2)  # several intervals: a heartbeat that raced the takeover would have rewritten its own token
+    lock._thread.join(timeout=20)  # the heartbeat stops at the loss: nothing can rewrite its own token later
+    assert not lock._thread.is_alive()
     assert _read_lock(run)["token"] == "theirs"
     lock.release()
     assert _read_lock(run)["token"] == "theirs"
@@ -203,7 +204,8 @@ def test_heartbeat_skips_while_a_takeover_holds_the_marker(run):
     lock.acquire()
     marker = _hold_marker(run)
     held = _read_lock(run)["heartbeat"]
-    time.sleep(0.3)  # six intervals, every beat skipped: the lock is not written under a takeover's feet
+    for _ in range(6):  # six beats attempted, each skipped: the lock is not written under a takeover's feet
+        assert lock.beats.acquire(timeout=20)
     assert _read_lock(run)["heartbeat"] == held and not lock.lost
     os.unlink(marker)
     assert _wait_for(lambda: _read_lock(run)["heartbeat"] > held)
@@ -222,3 +224,39 @@ def test_unreadable_fresh_lock_is_refused(run):
 def test_bad_settings_named():
     with pytest.raises(RaytrainError, match="heartbeat_interval_s"):
         RunLock(resolve("/tmp/x"), stale_after_s=10, heartbeat_interval_s=20)
+
+
+def test_generation_counts_every_acquisition_and_fences_the_previous_holder(run):
+    """Fresh acquisitions after a release and takeovers of a stale lock each get the next generation; the fence of
+    an earlier acquisition is refused, naming the new holder, while the current one passes."""
+    with RunLock(run, heartbeat_interval_s=None) as first:
+        assert first.fence.generation == 1
+    second = RunLock(run, heartbeat_interval_s=None)
+    assert second.acquire().generation == 2  # counted on from .lock.generation although the lock was deleted
+    old_fence = second.fence
+    # The holder's process looks dead to the next job (another host, heartbeat long ago): it is taken over.
+    stale = LockInfo("node-gone", 1, 0.0, "alice", 0.0, old_fence.token, old_fence.generation)
+    path = os.path.join(run.path, ".lock")
+    with open(path, "w") as f:
+        f.write(stale.to_json())
+    os.utime(path, (1.0, 1.0))
+    third = RunLock(run, heartbeat_interval_s=None, stale_after_s=60, user="bob")
+    assert third.acquire().generation == 3
+    third.check("commit checkpoint step 9")
+    with pytest.raises(LockLostError) as info:
+        check_fence(run, old_fence, "commit checkpoint step 9")
+    msg = str(info.value)
+    assert "generation 2" in msg and "bob@" in msg and "generation 3" in msg and "commit checkpoint step 9" in msg
+    third.release()
+    with pytest.raises(LockLostError, match="not held by anyone"):
+        check_fence(run, old_fence, "delete partial checkpoints")
+
+
+def test_check_refuses_once_the_heartbeat_saw_the_lock_go(run):
+    lock = RunLock(run, heartbeat_interval_s=None)
+    lock.acquire()
+    lock.check("commit checkpoint step 1")
+    lock.lost = True  # what _beat sets when it finds another token, even if that job has released since
+    with pytest.raises(LockLostError, match="heartbeat found its run lock taken.*commit checkpoint step 2"):
+        lock.check("commit checkpoint step 2")
+    lock.release()

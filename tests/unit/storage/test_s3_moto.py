@@ -3,6 +3,8 @@
 import hashlib
 import json
 import os
+import threading
+import time
 
 import pytest
 from loopback_s3 import loopback_s3
@@ -10,7 +12,7 @@ from loopback_s3 import loopback_s3
 from raytrain.checkpoint import store as store_module
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.errors import RaytrainError
-from raytrain.runlock import RunLock
+from raytrain.runlock import LockInfo, LockLostError, RunLock
 from raytrain.storage import resolve, run_root
 
 pytest.importorskip("moto.server")
@@ -137,9 +139,9 @@ def test_corruption_and_retention_on_s3(s3, endpoint, tmp_path):
 def test_runlock_on_s3(s3, endpoint):
     _, bucket = s3
     run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "u", "p", "r")
-    with RunLock(run, heartbeat_interval_s=None, settle_s=0.05):
+    with RunLock(run, heartbeat_interval_s=None):
         with pytest.raises(RaytrainError, match=f"pid {os.getpid()}"):
-            RunLock(run, heartbeat_interval_s=None, settle_s=0.05).acquire()
+            RunLock(run, heartbeat_interval_s=None).acquire()
     assert not run.join(".lock").exists()
 
 
@@ -163,3 +165,58 @@ def test_staging_dir_is_removed_after_upload_and_rerun_uncommits(s3, endpoint, t
     store.commit(10, {})
     assert client.get_object(Bucket=bucket, Key="u/p/r/checkpoints/step_00000010/w.bin")["Body"].read() == b"second"
     assert store.verify(store.latest()).manifest["files"]["w.bin"]["size"] == 6
+
+
+def test_s3_lock_create_race_has_one_winner_in_20_tries(s3, endpoint):
+    """Eight contenders released by one barrier create the same lock object: If-None-Match: * lets exactly one
+    win, every time (the loopback moto server answers 412 PreconditionFailed to the others)."""
+    _, bucket = s3
+    for attempt in range(20):
+        run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "u", "p", f"race{attempt}")
+        barrier = threading.Barrier(8)
+        outcomes: list[str] = []
+
+        def contend(run=run, barrier=barrier, outcomes=outcomes):
+            lock = RunLock(run, heartbeat_interval_s=None)
+            barrier.wait()
+            try:
+                outcomes.append(lock.acquire().token)
+            except RaytrainError as exc:
+                outcomes.append(f"REFUSED {exc}")
+
+        threads = [threading.Thread(target=contend) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [o for o in outcomes if not o.startswith("REFUSED")]
+        assert len(winners) == 1, (attempt, outcomes)
+        assert json.loads(run.join(".lock").read_text())["token"] == winners[0]
+        assert all(f"pid {os.getpid()}" in o for o in outcomes if o.startswith("REFUSED"))
+
+
+def test_s3_heartbeat_and_takeover_use_if_match(s3, endpoint):
+    """A takeover replaces the stale lock only if it is unchanged since read (If-Match), with the next generation;
+    the old holder's next heartbeat (If-Match on its own ETag) fails, so it learns it lost and never overwrites."""
+    client, bucket = s3
+    run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "u", "p", "r")
+    key = "u/p/r/.lock"
+    a = RunLock(run, heartbeat_interval_s=None)
+    first = a.acquire()
+    assert first.generation == 1
+    assert a._beat(first)  # a heartbeat on an unchanged lock goes through
+    beat = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    assert beat["token"] == first.token and beat["heartbeat"] >= first.heartbeat
+    # Make A's lock look like a dead host's: an old heartbeat from elsewhere (written behind A's back).
+    stale = LockInfo("node-gone", 1, 0.0, "alice", 0.0, first.token, first.generation)
+    client.put_object(Bucket=bucket, Key=key, Body=stale.to_json().encode())
+    time.sleep(2.1)  # S3's Last-Modified (seconds) also counts as a sign of life: let it age past stale_after_s
+    b = RunLock(run, heartbeat_interval_s=None, stale_after_s=1)
+    second = b.acquire()
+    assert second.generation == 2 and json.loads(run.join(".lock").read_text())["token"] == second.token
+    assert not a._beat(first) and a.lost  # If-Match on A's ETag: 412, A has lost
+    assert json.loads(run.join(".lock").read_text())["token"] == second.token
+    with pytest.raises(LockLostError, match="generation 2"):
+        a.check("commit checkpoint step 5")
+    b.check("commit checkpoint step 5")
+    b.release()

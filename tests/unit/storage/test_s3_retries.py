@@ -12,7 +12,8 @@ import pytest
 from loopback_s3 import fault_proxy, loopback_s3
 
 from raytrain.errors import RaytrainError
-from raytrain.storage import RetryingS3FileSystem, S3RetrySettings, resolve, s3_client_config, s3_retry_settings
+from raytrain.s3 import RetryingS3FileSystem, S3RetrySettings, s3_client_config, s3_retry_settings
+from raytrain.storage import resolve
 
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")

@@ -298,3 +298,59 @@ def test_ranks_verify_their_shares_and_a_corrupt_file_is_named_by_its_owner(run)
     assert problems[0] is None and victim in problems[1] and "sha256" in problems[1]
     with pytest.raises(RaytrainError, match=victim):
         store.verify(ckpt, problem=problems[1])
+
+
+def _tree_hashes(root):
+    """{relpath: sha256} of every file below `root`: what a refused job must leave exactly as it was."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def test_takeover_fences_the_old_jobs_commit_and_cleanup(run):
+    """Job B takes A's run over (A looked dead to it). A, unaware, stages and commits: the commit and A's cleanup
+    are refused with LockLostError, and nothing of B's (its committed and in-progress checkpoints, the lock)
+    changes. B's own commit goes through under its fence."""
+    from raytrain.runlock import LockInfo, LockLostError, RunLock
+
+    lock_a = RunLock(run, heartbeat_interval_s=None, user="alice")
+    lock_a.acquire()
+    store_a = CheckpointStore(run, keep_last=1, fence=lock_a.fence)
+    _save(store_a, 1)
+    # A's host stops heartbeating (as B sees it): its lock ages past stale_after_s.
+    lock_path = os.path.join(run.path, ".lock")
+    with open(lock_path, "w") as f:
+        f.write(LockInfo("node-a", 1, 0.0, "alice", 0.0, lock_a.fence.token, lock_a.fence.generation).to_json())
+    os.utime(lock_path, (1.0, 1.0))
+    lock_b = RunLock(run, heartbeat_interval_s=None, stale_after_s=60, user="alice")
+    assert lock_b.acquire().generation == lock_a.fence.generation + 1
+    store_b = CheckpointStore(run, keep_last=1, fence=lock_b.fence)
+    assert store_b.cleanup_partials() == []
+    _write_rank_files(store_b.staging_dir(3), 3)  # B's save of step 3, in progress
+    _write_rank_files(store_a.staging_dir(2), 2)  # A goes on: its ranks stage step 2
+    before = _tree_hashes(run.path)
+    with pytest.raises(LockLostError, match=r"lost its run lock.*Refused to commit checkpoint step 2"):
+        store_a.commit(2, {"metrics": {}})
+    with pytest.raises(LockLostError, match="delete unfinished checkpoints"):
+        store_a.cleanup_partials()
+    assert _tree_hashes(run.path) == before  # no manifest, no rename, no `latest`, nothing deleted
+    assert store_b.latest().step == 1
+    assert store_b.commit(3, {"metrics": {}}).endswith("step_00000003")
+    assert [c.step for c in store_b.committed()] == [3]
+    lock_b.release()
+
+
+def test_read_only_store_never_writes(run):
+    store = CheckpointStore(run)
+    _save(store, 4)
+    reader = CheckpointStore(run, read_only=True)
+    _write_rank_files(store.staging_dir(5), 5)
+    before = _tree_hashes(run.path)
+    assert reader.cleanup_partials() == []
+    with pytest.raises(RaytrainError, match="read-only"):
+        reader.commit(5, {})
+    assert _tree_hashes(run.path) == before and reader.latest().step == 4

@@ -1,0 +1,79 @@
+"""storage.init_from_run on the worker side: a new run starts from another run's latest checkpoint through the real
+_resume (world of one gloo rank, a stand-in stage that records what it was asked to load); the other run is only
+read, this run's own leftovers are cleaned, and once this run has a checkpoint of its own that one wins."""
+
+import hashlib
+import os
+
+import pytest
+import torch.distributed as dist
+
+from raytrain.checkpoint.store import CheckpointStore
+from raytrain.config import load_job_config
+from raytrain.storage import resolve, run_root
+from raytrain.trainer.loop import _resume, _resume_source
+from raytrain.trainer.schedule import Topology, data_position
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Stage:
+    """What _resume needs of a StageEngine: load(dir) -> client_state; records the directory it loaded."""
+
+    def __init__(self, dp: int, grad_accum_steps: int):
+        self.loaded, self.dp, self.gas = None, dp, grad_accum_steps
+
+    def load(self, local: str) -> dict:
+        self.loaded = local
+        step = int(open(os.path.join(local, "step.txt")).read())
+        return {"step": step, "data_position": data_position(step, self.dp, self.gas)}
+
+
+def _commit(store, step):
+    staging = store.staging_dir(step)
+    with open(os.path.join(staging, "step.txt"), "w") as f:
+        f.write(str(step))
+    store.commit(step, {"metrics": {"loss": 1.0 / step}})
+
+
+def _hashes(path):
+    out = {}
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                out[os.path.join(dirpath, name)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def test_new_run_starts_from_another_runs_checkpoint_read_only(world_of_one, tmp_path):
+    root = resolve(str(tmp_path / "runs"))
+    alice = run_root(root, "alice", "p", "base")
+    _commit(CheckpointStore(alice), 7)
+    os.makedirs(os.path.join(alice.path, "checkpoints", "step_00000009.partial"))  # alice's save in progress
+    bob = run_root(root, "bob", "p", "ft")
+    leftover = os.path.join(bob.path, "checkpoints", "step_00000002.partial")
+    os.makedirs(leftover)
+    job = load_job_config("configs/demo.yaml", [f"storage.root={root.path}", "storage.user=bob",
+                                                "storage.run_name=ft", f"storage.init_from_run={alice.uri}"])
+    before = _hashes(alice.path)
+    own = CheckpointStore(bob)
+    source = _resume_source(own, job)
+    assert source.read_only and source.run_root == alice
+    assert not os.path.exists(leftover)  # bob's own leftovers are cleaned
+    tc = job.train
+    stage = _Stage(tc.dp, tc.grad_accum_steps)
+    step, metrics = _resume(stage, source, Topology(pp=1, dp=1, stage=0, dp_rank=0, world_rank=0), tc)
+    assert step == 7 and metrics == {"loss": 1.0 / 7}
+    assert stage.loaded == os.path.join(alice.path, "checkpoints", "step_00000007")
+    assert _hashes(alice.path) == before  # read only: nothing of alice's changed
+    assert os.path.isdir(os.path.join(alice.path, "checkpoints", "step_00000009.partial"))  # nor deleted
+    _commit(own, 8)
+    assert _resume_source(own, job) is own  # bob's run has its own checkpoint now: it resumes from that
+    no_source = load_job_config("configs/demo.yaml", [f"storage.root={root.path}", "storage.user=bob"])
+    fresh = CheckpointStore(run_root(root, "bob", "p", "other"))
+    assert _resume_source(fresh, no_source) is fresh
