@@ -24,6 +24,7 @@ from raytrain.dataset.packs import PackReader
 from raytrain.dataset.stream import stream_micro_batches
 from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
+from raytrain.redact import redact_tree
 from raytrain.storage import resolve
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.feed import FeedTrace, micro_batches, validation_micro_batches
@@ -309,7 +310,7 @@ def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConf
     if dist.get_rank() == 0:
         store.commit(step, {
             "step": step, "data_position": client_state["data_position"], "metrics": metrics,
-            "config": job.to_dict(), "config_hash": job.config_hash(), "versions": loop_config.get("versions", {}),
+            "config": redact_tree(job.to_dict()), "config_hash": job.config_hash(), "versions": loop_config.get("versions", {}),
             "world": {"pp": tc.pp, "dp": tc.dp}, "model": job.model.preset,
         })
     dist.barrier()  # nobody races ahead to the next save while the commit renames the directory
