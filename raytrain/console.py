@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from raytrain.redact import redact
+
 WORKER_MARK = "[raytrain]"
 """Worker output that carries this mark is raytrain's own and goes to the console (see trainer/loop.py)."""
 
@@ -133,7 +135,7 @@ class _ConsoleHandler(logging.Handler):
                 else None
             # uncaptured (export, generate, before the run's log opens) every record goes to stderr as before, so a
             # command's stdout stays its result
-            _active.line(f"{stamp} {level}raytrain: {record.getMessage()}",
+            _active.line(f"{stamp} {level}raytrain: {redact(record.getMessage())}",
                          err=record.levelno >= logging.WARNING or _active.log_path is None, style=style)
         except Exception:  # noqa: BLE001 - logging must never raise into the job
             self.handleError(record)
@@ -155,6 +157,18 @@ def hook_worker_output() -> None:
     global_worker_stdstream_dispatcher.add_handler("raytrain_console", _print_worker_lines)
 
 
+class RedactFilter(logging.Filter):
+    """Credentials inside URIs (raytrain.redact) taken out of every record a handler writes, whichever library
+    logged it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
 class _NotOurs(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.name.startswith("raytrain")
@@ -167,12 +181,15 @@ def configure_logging(verbose: bool) -> None:
     if verbose:
         logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                             datefmt="%H:%M:%S")
+        for h in logging.getLogger().handlers:
+            h.addFilter(RedactFilter())
         return
     root = logging.getLogger()
     if not root.handlers:  # a process of its own (the CLI); one embedding raytrain keeps its handlers untouched
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         handler.addFilter(_NotOurs())  # raytrain's records reach the console through _ConsoleHandler, once
+        handler.addFilter(RedactFilter())
         root.addHandler(handler)
         root.setLevel(logging.WARNING)
     ours = logging.getLogger("raytrain")
@@ -212,6 +229,7 @@ def capture(log_path: str) -> Iterator[Console]:
         root.removeHandler(h)
     file_handler = logging.StreamHandler(sys.stderr)  # fd 2: the log file, in order with everything else
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    file_handler.addFilter(RedactFilter())
     root.addHandler(file_handler)
     root.setLevel(logging.INFO)
     ours = logging.getLogger("raytrain")

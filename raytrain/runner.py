@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from raytrain.config import JobConfig
 from raytrain.console import framework_output_captured, hook_worker_output
 from raytrain.errors import ConfigError, RaytrainError
+from raytrain.redact import redact, redact_tree
 from raytrain.storage import StorageLocation, apply_run_umask, resolve, run_root, secure_run_dir, submitting_user
 
 if TYPE_CHECKING:
@@ -24,14 +25,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Environment every Ray worker needs: no hub downloads, and Ray 2.60's token-auth warning off for local clusters.
+# Environment every Ray worker needs: no hub downloads.
 # RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray Train 2.60 turns a worker's print() into a root-logger record and also tees it to
 # the worker's stdout, so every "[raytrain] step" line reached the driver console twice.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
               "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
-                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "RAYTRAIN_USER")
-
+# Settings (never credentials) that workers on other nodes need for s3:// and for run ownership. Ray writes a job's
+# runtime_env into its logs on every node and shows it in the dashboard's job and actor APIs, so AWS_ACCESS_KEY_ID,
+# AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN are not in this list: workers take credentials from the AWS chain of
+# their own node (docs/security.md); on the embedded cluster they inherit this process's environment.
+FORWARDED_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE",
+                 "RAYTRAIN_USER")
 
 @dataclass(frozen=True)
 class Run:
@@ -64,10 +68,10 @@ def open_run(job: JobConfig) -> Run:
 
 def connect_ray(job: JobConfig) -> bool:
     """Join the cluster (ray.address, RAY_ADDRESS, or the one `ray job submit` runs us in), else start an embedded
-    local Ray. Returns True when this call started Ray (so the caller shuts it down)."""
+    local Ray with token authentication (unless RAY_AUTH_MODE says otherwise). Returns True when this call started
+    Ray (so the caller shuts it down). Joining follows the cluster's RAY_AUTH_MODE and token (docs/security.md)."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
     if ray.is_initialized():
@@ -79,27 +83,32 @@ def connect_ray(job: JobConfig) -> bool:
     job_env = (job_config.get("runtime_env") or {}).get("env_vars") or {}
     worker_env = dict(WORKER_ENV)
     # Workers on other nodes do not inherit this process's environment: forward the S3 settings it was given
-    # (without them a storage.root of s3://... works on the driver and fails in the trainer workers).
+    # (endpoint, region, profile name; never keys, see FORWARDED_ENV).
     worker_env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})
-    runtime_env = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
+    runtime_env: dict[str, Any] = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
+    if "worker_process_setup_hook" not in (job_config.get("runtime_env") or {}):
+        # every worker (trainer, Ray Data tasks) creates run files 0640: a node's own umask may be 022
+        runtime_env["worker_process_setup_hook"] = "raytrain.storage.apply_run_umask"
     if framework_output_captured():
         # Ray Data's progress bars (driver and the trainer workers' reads) would be carriage-return noise in the log
         runtime_env["env_vars"].setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    login = ""
     if address:
-        log.info("joining Ray cluster at %s", address)
+        log.info("joining Ray cluster at %s", redact(address))
         context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         # Logical CPUs: at least 4 even on a 2-core laptop, so the trainer's workers, Ray Data's read tasks and the
         # Spark executors can all be scheduled (they mostly wait on each other, the OS shares the cores).
         num_cpus = job.ray.num_cpus or max(4, os.cpu_count() or 1)
         log.info("starting an embedded local Ray with %d logical CPUs", num_cpus)
+        login = _embedded_auth()
         context = _init_embedded(num_cpus, runtime_env, job.ray.dashboard)
     hook_worker_output()
     global DASHBOARD_URL
     DASHBOARD_URL = _http(getattr(context, "dashboard_url", "") or "")
     if DASHBOARD_URL:
-        log.info("Ray dashboard: %s", DASHBOARD_URL)
+        log.info("Ray dashboard: %s%s", DASHBOARD_URL, login)
     return True
 
 
@@ -109,6 +118,41 @@ DASHBOARD_URL = ""
 
 def _http(url: str) -> str:
     return url if not url or "://" in url else f"http://{url}"
+
+
+def _embedded_auth() -> str:
+    """Token authentication for the embedded Ray unless RAY_AUTH_MODE is set otherwise; returns the hint printed
+    after the dashboard URL ('' without auth).
+
+    Ray reads the token from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token. When no token
+    exists, one is written here with mode 0600 (Ray's own would follow the umask, often 0644: readable by every local
+    user, and the token is the key to the job API). The hint names the file and `ray get-auth-token`, never the
+    token: the console is copied into a log file other people may read."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    mode = os.environ.setdefault("RAY_AUTH_MODE", "token")  # explicit: Ray then starts without its opt-out warning
+    Config.initialize("")  # the driver's cached Ray config must see the mode its raylet and GCS will read
+    if mode.lower() != "token":
+        log.warning("RAY_AUTH_MODE=%s: the embedded Ray's dashboard and job API accept anyone who can reach them",
+                    mode)
+        return ""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return " (token authentication: the token is the RAY_AUTH_TOKEN this process was started with)"
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+    from ray._private.authentication.authentication_token_setup import _get_default_token_path
+
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(_get_default_token_path())
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(generate_new_authentication_token())
+        log.info("generated a Ray authentication token in %s (mode 0600)", path)
+    except FileExistsError:
+        if os.stat(path).st_mode & 0o077:
+            log.warning("the Ray authentication token %s can be read by other users; fix: chmod 600 %s", path, path)
+    AuthenticationTokenLoader.instance().reset_cache()
+    return f" (token authentication: paste the token `ray get-auth-token` prints, from {path})"
 
 
 def _init_embedded(num_cpus: int, runtime_env: dict[str, Any], dashboard: bool) -> Any:
@@ -133,7 +177,6 @@ def _init_embedded(num_cpus: int, runtime_env: dict[str, Any], dashboard: bool) 
             log.warning("Ray dashboard not available (%s; pip install 'ray[default]'); continuing without it",
                         missing)
     return ray.init(include_dashboard=False, **kwargs)
-    return True
 
 
 def stage_input(run: Run) -> StorageLocation:
@@ -187,7 +230,7 @@ def write_report(run: Run, name: str, report: dict[str, Any]) -> StorageLocation
         check_fence(run.root, run.fence, f"write reports/{name}")
     loc = run.root.join("reports", name)
     loc.parent.mkdirs()
-    loc.write_atomic(json.dumps(report, indent=2, sort_keys=True, default=str))
+    loc.write_atomic(json.dumps(redact_tree(report), indent=2, sort_keys=True, default=str))
     return loc
 
 

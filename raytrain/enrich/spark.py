@@ -43,30 +43,43 @@ def spark_uri(loc: StorageLocation) -> str:
     return loc.uri
 
 
+# S3A retries and timeouts (hadoop-aws 3.3.1 reads each of these; the connection ones as integer milliseconds). A 503
+# SlowDown is S3A's "throttled" case: retried with exponential backoff from throttle.interval, up to throttle.limit
+# times; other retryable failures (connection resets, 500s) up to retry.limit times. attempts.maximum is the AWS
+# SDK's own retry count inside each S3A attempt, kept small because the two multiply.
+S3A_RETRY_CONF = {
+    "spark.hadoop.fs.s3a.retry.limit": "10",
+    "spark.hadoop.fs.s3a.retry.interval": "1000ms",
+    "spark.hadoop.fs.s3a.retry.throttle.limit": "30",
+    "spark.hadoop.fs.s3a.retry.throttle.interval": "1000ms",
+    "spark.hadoop.fs.s3a.attempts.maximum": "5",
+    "spark.hadoop.fs.s3a.connection.establish.timeout": "10000",
+    "spark.hadoop.fs.s3a.connection.timeout": "200000",
+}
+
+# Where Spark's S3A gets credentials: the AWS SDK's default chain (environment variables, Java system properties,
+# the web identity token file of EKS/IRSA, the ~/.aws profile named by AWS_PROFILE, the ECS container role, the EC2
+# instance role). S3A's own default list in hadoop-aws 3.3.1 skips web identity and profiles. Keys are never put in
+# the Spark conf: Spark copies its conf into JVM command lines (`ps` shows them to every local user) and event logs.
+S3A_CREDENTIALS_PROVIDER = "com.amazonaws.auth.DefaultAWSCredentialsProviderChain"
+
+
 def spark_conf(loc: StorageLocation) -> dict[str, str]:
     """Spark settings ``loc`` needs beyond its URI; {} when none.
 
-    For s3: the endpoint override (path-style, TLS off for http://), and the driver's AWS_* credentials when
-    set, as Hadoop settings: Spark ships those to its executors, which (RayDP's Java actors) may not have the
-    driver's environment. Spark redacts them in its UI and logs (spark.redaction.regex)."""
+    For s3: the endpoint override (path-style, TLS off for http://), retries with backoff and timeouts
+    (S3A_RETRY_CONF), and the AWS SDK's default credentials chain. Executors find credentials on their own node: on
+    the embedded cluster they inherit the driver's AWS_* environment through the raylet; on a cluster each node's
+    instance role, web identity or credentials file (docs/security.md)."""
     if loc.scheme != "s3":
         return {}
-    conf: dict[str, str] = {}
+    conf: dict[str, str] = {"spark.hadoop.fs.s3a.aws.credentials.provider": S3A_CREDENTIALS_PROVIDER,
+                            **S3A_RETRY_CONF}
     if loc.s3_endpoint is not None:
         conf["spark.hadoop.fs.s3a.endpoint"] = loc.s3_endpoint
         conf["spark.hadoop.fs.s3a.path.style.access"] = "true"  # loopback/on-prem servers rarely do vhosts
         if loc.s3_endpoint.startswith("http://"):  # S3A defaults to TLS whatever the endpoint's scheme says
             conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] = "false"
-    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
-    if key and secret:
-        conf["spark.hadoop.fs.s3a.access.key"] = key
-        conf["spark.hadoop.fs.s3a.secret.key"] = secret
-        token = os.environ.get("AWS_SESSION_TOKEN")
-        if token:
-            conf["spark.hadoop.fs.s3a.session.token"] = token
-        conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
-            "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider" if token
-            else "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider")
     return conf
 
 
@@ -141,9 +154,8 @@ def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str,
         "spark.sql.execution.arrow.maxRecordsPerBatch": "256",
         "spark.ui.showConsoleProgress": "true" if console_progress else "false",
         "spark.sql.session.timeZone": "UTC",
-        # Hadoop S3A picks credentials from the usual AWS env/instance chain.
-        "spark.hadoop.fs.s3a.aws.credentials.provider":
-            "com.amazonaws.auth.DefaultAWSCredentialsProviderChain",
+        # S3A's credentials chain (also for s3:// paths that spark_conf never saw, such as a corpus file)
+        "spark.hadoop.fs.s3a.aws.credentials.provider": S3A_CREDENTIALS_PROVIDER,
     }
 
 

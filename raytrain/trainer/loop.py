@@ -26,6 +26,7 @@ from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig
 from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
+from raytrain.redact import redact_tree
 from raytrain.runlock import Fence
 from raytrain.storage import apply_run_umask, resolve
 from raytrain.trainer.evaluation import Evaluator, OpenPacks, PackedFiles, PackSource, Samples
@@ -266,7 +267,7 @@ def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, cfg: LoopCon
     if dist.get_rank() == 0:
         store.commit(step, {
             "step": step, "data_position": client_state["data_position"], "metrics": metrics,
-            "config": job.to_dict(), "config_hash": job.config_hash(), "versions": cfg.versions,
+            "config": redact_tree(job.to_dict()), "config_hash": job.config_hash(), "versions": cfg.versions,
             "world": {"pp": tc.pp, "dp": tc.dp}, "model": job.model.preset,
         })
     dist.barrier()  # nobody races ahead to the next save while the commit renames the directory

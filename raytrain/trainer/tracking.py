@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from raytrain.config import JobConfig
+from raytrain.redact import redact_tree
 
 
 class Trackers:
@@ -23,7 +24,9 @@ class Trackers:
         self._wandb: Any = None
         if world_rank != 0 or not job.train.tracking:
             return
-        tc, params = job.train, job.flat_dict()
+        # the params are stored by the tracker and shown in its UI: no password of a URI in them (the tracker itself
+        # still connects with the URI as given)
+        tc, params = job.train, redact_tree(job.flat_dict())
         if "mlflow" in tc.tracking:
             from ray.air.integrations.mlflow import setup_mlflow
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # test_console_run / test_s3_run turn token auth on
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

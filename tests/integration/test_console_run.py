@@ -38,11 +38,18 @@ NOISE = {
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled",
+def _env(storage_root) -> dict[str, str]:
+    """The CLI's environment: the quick start as a user gets it, with Ray's token authentication on (the token file
+    in this module's temporary folder instead of ~/.ray)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=_token_path(storage_root),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN", None)
     return env
+
+
+def _token_path(storage_root) -> str:
+    return os.path.join(str(storage_root), ".ray-auth", "auth_token")
 
 
 def _cmd(root, *extra: str) -> list[str]:
@@ -59,7 +66,7 @@ def storage_root(tmp_path_factory):
 def plain(storage_root):
     """The demo without a terminal (as under a pipe or `ray job submit`)."""
     t0 = time.monotonic()
-    out = subprocess.run(_cmd(storage_root), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(_cmd(storage_root), cwd=REPO, env=_env(storage_root), capture_output=True, text=True, timeout=1800)
     print(f"demo run without a terminal: {time.monotonic() - t0:.0f}s, "
           f"{len((out.stdout + out.stderr).splitlines())} console lines")
     return out
@@ -70,7 +77,7 @@ def terminal(plain, storage_root):
     """The same run resumed for two more steps under a pseudo-terminal."""
     assert plain.returncode == 0, (plain.stdout + plain.stderr)[-4000:]
     t0 = time.monotonic()
-    code, text = run_in_pty(_cmd(storage_root, f"train.max_steps={MORE_STEPS}"), env=_env(), cwd=REPO,
+    code, text = run_in_pty(_cmd(storage_root, f"train.max_steps={MORE_STEPS}"), env=_env(storage_root), cwd=REPO,
                             timeout_s=1200)
     print(f"resumed run under a terminal: {time.monotonic() - t0:.0f}s, {len(text.splitlines())} console lines")
     return code, text
@@ -132,6 +139,22 @@ def test_session_records_dashboard_and_log(plain, storage_root):
     assert f"Ray dashboard: {session['dashboard_url']}" in plain.stdout
 
 
+def test_quick_start_ran_with_token_auth(plain, storage_root):
+    """raytrain wrote the token (0600, not Ray's umask default) and told where it is; the token itself is on
+    neither the console nor the log file nor anywhere in the run's folder."""
+    path = _token_path(storage_root)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with open(path) as f:
+        token = f.read().strip()
+    assert len(token) >= 32
+    assert f"(token authentication: paste the token `ray get-auth-token` prints, from {path})" in plain.stdout
+    assert token not in plain.stdout + plain.stderr
+    for folder, _, files in os.walk(_run_dir(storage_root)):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                assert token.encode() not in f.read(), os.path.join(folder, name)
+
+
 def test_charts_and_status_of_the_run(plain, storage_root):
     charts = os.path.join(_run_dir(storage_root), "reports", "charts")
     assert sorted(os.listdir(charts)) == ["loss.png", "lr.png", "similarity.png", "token_lengths.png"]
@@ -140,7 +163,7 @@ def test_charts_and_status_of_the_run(plain, storage_root):
             data = f.read()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
     out = subprocess.run([sys.executable, "-m", "raytrain.cli", "status", _run_dir(storage_root)], cwd=REPO,
-                         env=_env(), capture_output=True, text=True, timeout=120)
+                         env=_env(storage_root), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"training     step {STEPS}, loss" in out.stdout and "eval loss" in out.stdout
     assert "running      no" in out.stdout and "loss.png" in out.stdout and "logs " in out.stdout

@@ -2,6 +2,11 @@
 storage all through raytrain.storage.resolve; a second launch resumes from the checkpoints on S3 and ends with the
 same weights as an uninterrupted run on a POSIX root.
 
+The module's Ray is the embedded one raytrain.runner.connect_ray starts for a user: token authentication and the
+dashboard on. The AWS credentials are canaries (moto accepts any): the last test checks that none of them reached
+the Ray session's logs, the dashboard's job/actor APIs, any process's arguments (sampled during the whole module),
+the run's files or the console.
+
 Enrichment on S3 (Spark through s3a://, input and run root in the bucket) is tested in test_storage_forms.py.
 """
 
@@ -11,7 +16,14 @@ import hashlib
 import json
 import os
 import random
+import secrets
+import subprocess
+import sys
 import tempfile
+import threading
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -23,7 +35,7 @@ from loopback_s3 import AWS_VARS, loopback_s3
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
 from raytrain.dataset.pack import tokenize_frame
-from raytrain.runner import WORKER_ENV, open_run, run_train
+from raytrain.runner import connect_ray, open_run, run_train
 from raytrain.storage import resolve
 
 pytest.importorskip("moto.server")
@@ -49,25 +61,112 @@ def synthetic_conversations(n: int, seed: int = 1) -> pa.Table:
     return pa.table({"uuid": [r[0] for r in rows], "messages_json": [r[1] for r in rows]})
 
 
+# Credentials no one could mistake for anything else: moto accepts them, and any copy of them outside this process's
+# memory and environment is a leak.
+CANARY = {"AWS_ACCESS_KEY_ID": f"AKIACANARY{secrets.token_hex(5).upper()}",
+          "AWS_SECRET_ACCESS_KEY": f"canary-secret-{secrets.token_hex(12)}",
+          "AWS_SESSION_TOKEN": f"canary-session-{secrets.token_hex(12)}"}
+
+
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    """A loopback S3 server and dummy credentials for this module (restored afterwards)."""
+    """A loopback S3 server for this module, with the CANARY credentials in os.environ (restored afterwards)."""
+    saved = {k: os.environ.get(k) for k in CANARY}
     with loopback_s3() as endpoint:
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-        yield endpoint
+        os.environ.update(CANARY)
+        try:
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+            yield endpoint
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+class ProcessArgs:
+    """Every distinct command line on the machine (`ps -eww -o args`), sampled every 0.2 s from start() to stop()."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            out = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
+            self.seen.update(out.splitlines())
+            self.samples += 1
+            self._stop.wait(0.2)
+
+    def start(self) -> ProcessArgs:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @pytest.fixture(scope="module")
-def ray_s3(s3_endpoint):
-    """One Ray for the module, started after the credentials exist, passing them to every worker explicitly (what
-    the runner must do on a cluster, where workers do not inherit the driver's environment)."""
+def ray_s3(s3_endpoint, tmp_path_factory):
+    """The module's Ray, started by connect_ray as `raytrain run` starts it: token auth (the token file in a temporary
+    folder instead of ~/.ray) and the dashboard. No credentials are passed to it: workers inherit the driver's
+    environment through the raylet, as on any embedded cluster. Yields the token, the dashboard URL and the ps
+    sampler, which runs until the module ends."""
     import ray
+    from ray._raylet import Config
+
+    from raytrain import runner
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {**WORKER_ENV, **AWS_VARS}})
-    yield ray
-    ray.shutdown()
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
+    token_path = str(tmp_path_factory.mktemp("ray-auth") / "auth_token")
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    ps = ProcessArgs().start()
+    try:
+        assert connect_ray(_job(f"s3://{BUCKET}/raytrain", "s3run", s3_endpoint))
+        with open(token_path) as f:
+            token = f.read().strip()
+        yield {"ray": ray, "token": token, "token_path": token_path, "dashboard": runner.DASHBOARD_URL, "ps": ps,
+               "session_dir": ray._private.worker._global_node.get_session_dir_path()}
+    finally:
+        ps.stop()
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        Config.initialize("")  # later modules' Ray reads the restored RAY_AUTH_MODE
+
+
+@contextmanager
+def console_to(path: str):
+    """This process's console (descriptors 1 and 2 and sys.stdout/stderr, where Ray prints the lines it forwards
+    from workers) appended to ``path`` for the block."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds, saved_streams = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    stream = open(path, "a", buffering=1)  # noqa: SIM115 - closed below
+    sys.stdout = sys.stderr = stream
+    try:
+        yield
+    finally:
+        stream.close()
+        sys.stdout, sys.stderr = saved_streams
+        os.dup2(saved_fds[0], 1)
+        os.dup2(saved_fds[1], 2)
+        for fd in saved_fds:
+            os.close(fd)
 
 
 @pytest.fixture
@@ -101,9 +200,11 @@ def s3_run(ray_s3, s3_endpoint, tmp_path_factory):
                    str(local / "part-00000.parquet"))
     run = open_run(job)
     assert run.root.scheme == "s3" and run.root.uri == f"s3://{BUCKET}/raytrain/ci/demo/s3run"
-    packed = pack_enriched(resolve(str(local)), run.root.join("data", "packed"), job.dataset, run.data_hash)
-    first = run_train(job)
-    return {"job": job, "run": run, "packed": packed, "first": first, "local": local}
+    console = str(tmp_path_factory.mktemp("s3-console") / "console.txt")
+    with console_to(console):
+        packed = pack_enriched(resolve(str(local)), run.root.join("data", "packed"), job.dataset, run.data_hash)
+        first = run_train(job)
+    return {"job": job, "run": run, "packed": packed, "first": first, "local": local, "console": console}
 
 
 def test_packed_data_lives_on_s3(s3_run, s3):
@@ -148,7 +249,8 @@ def resumed(s3_run, s3_endpoint):
     before = {step: client.get_object(Bucket=BUCKET, Key=f"{prefix}step_{step:08d}/manifest.json")["Body"].read()
               for step in (2, 4)}
     job = _job(f"s3://{BUCKET}/raytrain", "s3run", s3_endpoint)
-    summary = run_train(job)
+    with console_to(s3_run["console"]):
+        summary = run_train(job)
     return {"job": job, "summary": summary, "manifests_before": before}
 
 
@@ -175,6 +277,7 @@ def test_second_launch_resumes_from_s3(resumed, s3):
 def test_resumed_s3_run_matches_uninterrupted_posix_run(resumed, s3_run, s3_endpoint, tmp_path_factory):
     """An uninterrupted run on a POSIX root, same packed data (copied down from S3 with pyarrow): same weights."""
     root = tmp_path_factory.mktemp("posix-ref")
+    s3_run["posix_root"] = str(root)
     job = _job(str(root), "s3run", s3_endpoint)  # same run name: same data hash and config apart from the root
     run = open_run(job)
     src = s3_run["run"].root.join("data", "packed")
@@ -200,10 +303,10 @@ def test_resumed_s3_run_matches_uninterrupted_posix_run(resumed, s3_run, s3_endp
                 assert torch.equal(a[k], b[k]), f"{rel}:{k} differs between the S3-resumed and the POSIX run"
 
 
-def test_runner_passes_s3_credentials_to_workers(monkeypatch):
-    """On a cluster, Ray workers do not inherit the driver's environment: connect_ray must put the S3 credentials
-    and endpoint the driver has into the job's runtime_env (moto accepts unsigned requests, so the runs above
-    cannot catch their absence)."""
+def test_runner_forwards_s3_settings_but_no_credentials(monkeypatch):
+    """On a cluster, Ray workers do not inherit the driver's environment: connect_ray forwards the S3 endpoint and
+    region it has into the job's runtime_env, and never the keys (Ray logs runtime_env on every node and serves it
+    from the dashboard; workers take keys from their own node's AWS chain)."""
     import ray
 
     from raytrain import runner
@@ -211,12 +314,82 @@ def test_runner_passes_s3_credentials_to_workers(monkeypatch):
     seen = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(kwargs))
-    for k, v in AWS_VARS.items():
+    for k, v in {**AWS_VARS, **CANARY}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
     job = load_job_config("configs/demo.yaml", ["ray.address=127.0.0.1:1"])
     runner.connect_ray(job)
     env_vars = seen["runtime_env"]["env_vars"]
-    assert {k: env_vars[k] for k in (*AWS_VARS, "AWS_ENDPOINT_URL_S3")} == {**AWS_VARS,
-                                                                           "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9"}
+    assert {k: env_vars.get(k) for k in ("AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3")} == {
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9"}
+    assert not set(CANARY) & set(env_vars)
+    assert not [v for v in CANARY.values() if v in json.dumps(seen, default=str)]
 
+
+def _dashboard_get(ray_s3, path: str, token: str | None) -> tuple[int, str]:
+    request = urllib.request.Request(ray_s3["dashboard"] + path)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def test_embedded_ray_requires_its_token(ray_s3):
+    """The embedded Ray raytrain starts keeps token auth: the job API refuses a request without the token or with a
+    wrong one, and answers the right one. The token file is private to its owner."""
+    assert ray_s3["dashboard"].startswith("http://127.0.0.1:"), "the dashboard must be up for this test"
+    assert os.stat(ray_s3["token_path"]).st_mode & 0o777 == 0o600
+    assert _dashboard_get(ray_s3, "/api/jobs/", None)[0] == 401
+    assert _dashboard_get(ray_s3, "/api/jobs/", "0" * 64)[0] == 403
+    status, body = _dashboard_get(ray_s3, "/api/jobs/", ray_s3["token"])
+    assert status == 200 and isinstance(json.loads(body), list)
+
+
+def count_canaries(data: bytes | str, values=None) -> int:
+    values = CANARY.values() if values is None else values
+    text = data.decode(errors="replace") if isinstance(data, bytes) else data
+    return sum(text.count(v) for v in values)
+
+
+def _files_under(folder: str) -> list[str]:
+    return [os.path.join(d, name) for d, _, names in os.walk(folder) for name in names]
+
+
+def test_no_credential_reaches_logs_dashboard_ps_run_files_or_console(ray_s3, resumed, s3_run, s3):
+    """After both launches (and the POSIX reference run, when it ran): zero copies of any canary credential, and of
+    the Ray token, outside this process."""
+    found: dict[str, int] = {}
+    for path in _files_under(os.path.join(ray_s3["session_dir"], "logs")):  # every node's logs on one machine
+        with open(path, "rb") as f:
+            n = count_canaries(f.read(), [*CANARY.values(), ray_s3["token"]])
+        if n:
+            found[path] = n
+    for api in ("/api/jobs/", "/api/v0/actors?detail=1&limit=10000", "/api/v0/tasks?detail=1&limit=10000"):
+        status, body = _dashboard_get(ray_s3, api, ray_s3["token"])
+        assert status == 200, (api, body[:300])
+        if count_canaries(body):
+            found[api] = count_canaries(body)
+    ray_s3["ps"].stop()  # what every local user could read: sampled for the whole module so far
+    assert ray_s3["ps"].samples > 10
+    if count_canaries("\n".join(ray_s3["ps"].seen)):
+        found["ps"] = count_canaries("\n".join(ray_s3["ps"].seen))
+    keys = _keys(s3, "raytrain/ci/demo/s3run/")
+    assert any(k.endswith("run_summary.json") for k in keys) and any("/checkpoints/" in k for k in keys)
+    for key in keys:
+        n = count_canaries(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        if n:
+            found[f"s3://{BUCKET}/{key}"] = n
+    for path in _files_under(s3_run.get("posix_root", "")) if s3_run.get("posix_root") else []:
+        with open(path, "rb") as f:
+            n = count_canaries(f.read())
+        if n:
+            found[path] = n
+    with open(s3_run["console"], "rb") as f:
+        console = f.read()
+    assert b"[raytrain] step" in console  # the capture did see the run's console
+    if count_canaries(console):
+        found["console"] = count_canaries(console)
+    assert found == {}, found

@@ -89,6 +89,26 @@ def test_jvms_lead_their_own_sessions(spark):
     assert all(os.getsid(p) == p for p in masters)
 
 
+def test_jvm_command_lines_carry_no_s3_credentials(spark):
+    """Every local user can read a process's arguments (`ps`). The Spark driver JVM, RayDP's app master and the
+    executor JVMs started for this S3 session carry no S3A key setting and not the driver's secret: S3A reads the
+    credentials from the AWS chain (the environment, on this one machine)."""
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
+    jvms = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if args and os.path.basename(args[0]) == b"java":
+            jvms.append(args)
+    assert len(jvms) >= 2, "expected the driver and RayDP's JVMs"
+    for args in jvms:
+        assert not [a for a in args if b"fs.s3a.access.key" in a or b"fs.s3a.secret.key" in a
+                    or b"fs.s3a.session.token" in a or a.endswith(b"=" + secret)], args[:3]
+
+
 def _pyarrow_write(loc: StorageLocation) -> None:
     target = loc.join("pyarrow", "part-00000.parquet")
     target.parent.mkdirs()

@@ -194,3 +194,53 @@ def test_setup_command_checks_the_ray_version_pyproject_pins(name, pyproject_req
 def test_cloud_image_tag_matches_project_version(name, repo_root):
     version = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["version"]
     assert _load(name)["docker"]["image"].endswith(f"/raytrain:{version}-gpu")
+
+
+def _ray_start_commands(config: dict) -> list[str]:
+    return [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in config[key]
+            if "ray start" in c]
+
+
+@pytest.mark.parametrize("name", CLOUD_CONFIGS)
+def test_every_node_runs_ray_with_token_auth(name, offline):
+    """RAY_AUTH_MODE=token for every `ray start` and every process in every node's container (job drivers and the
+    `ray` CLI included); the token goes to every node by file_mounts, and a node without it fails its setup."""
+    config = _load(name)
+    starts = _ray_start_commands(config)
+    assert len(starts) == 2
+    for command in starts:
+        assert re.search(r"(^|;\s*)RAY_AUTH_MODE=token ray start ", command), command
+    for node_type in config["available_node_types"]:
+        assert "--env RAY_AUTH_MODE=token" in _effective_docker_run_options(config, node_type), node_type
+    assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
+    prepared = prepare_config(copy.deepcopy(config))  # what `ray up` syncs and runs on each node
+    assert prepared["file_mounts"] == config["file_mounts"]
+    for key in ("head_setup_commands", "worker_setup_commands"):
+        assert "test -s ~/.ray/auth_token && chmod 600 ~/.ray/auth_token" in prepared[key], key
+
+
+@pytest.mark.parametrize("name", CLOUD_CONFIGS)
+def test_dashboard_listens_on_the_heads_private_address_only(name):
+    """Never 0.0.0.0 (GCP nodes have public addresses); the shell expression picks a private address, checked by
+    running it here."""
+    import ipaddress
+    import subprocess
+
+    config = _load(name)
+    text = "\n".join(_ray_start_commands(config))
+    assert "0.0.0.0" not in text
+    head = " ".join(config["head_start_ray_commands"])
+    [host] = re.findall(r"--dashboard-host=(\$\(.*?\)) ", head)
+    assert host == "$(hostname -I | awk '{print $1}')"
+    assert "--dashboard-host" not in " ".join(config["worker_start_ray_commands"])
+    address = subprocess.run(["bash", "-c", f"echo {host}"], capture_output=True, text=True).stdout.strip()
+    if address:  # a sandbox without a network interface prints nothing
+        ip = ipaddress.ip_address(address)
+        assert not ip.is_unspecified and not ip.is_loopback and ip.is_private, address
+
+
+def test_fake_cluster_start_command_documents_token_auth():
+    """The fake cluster's head is started by the command in its header (no start commands in the file)."""
+    header = (CLUSTER_DIR / FAKE_CONFIG).read_text().split("\ncluster_name:")[0]
+    assert re.search(r"RAY_AUTH_MODE=token RAY_FAKE_CLUSTER=1 ray start --head .*--dashboard-host=127\.0\.0\.1", header)
+    assert "ray get-auth-token --generate" in header

@@ -2,12 +2,13 @@
 
 import os
 import pathlib
+import re
 import threading
 
 import pyarrow.fs as pafs
 import pytest
 
-from raytrain.enrich.spark import spark_conf, spark_uri
+from raytrain.enrich.spark import S3A_CREDENTIALS_PROVIDER, S3A_RETRY_CONF, spark_conf, spark_uri
 from raytrain.errors import RaytrainError
 from raytrain.storage import default_user, resolve, run_root
 
@@ -52,7 +53,9 @@ def test_s3_views(monkeypatch):
         "s3://bucket/runs/x",
         "s3a://bucket/runs/x",
     )
-    assert loc.s3_endpoint is None and loc.local_path is None and spark_conf(loc) == {}
+    assert loc.s3_endpoint is None and loc.local_path is None
+    assert spark_conf(loc) == {"spark.hadoop.fs.s3a.aws.credentials.provider": S3A_CREDENTIALS_PROVIDER,
+                               **S3A_RETRY_CONF}  # no endpoint override without one
     assert resolve(spark_uri(loc)) == loc  # s3a:// resolves back to the same place
 
 
@@ -72,20 +75,34 @@ def test_s3_endpoint_argument_and_env(monkeypatch):
     assert (options["endpoint_override"], options["scheme"]) == ("127.0.0.1:7000", "http")
 
 
-def test_s3_spark_conf_carries_driver_credentials(monkeypatch):
-    """Spark executors (RayDP Java actors) may lack the driver's env: credentials travel as Hadoop settings."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    conf = spark_conf(resolve("s3://b/k", s3_endpoint="https://s3.internal:443"))
-    assert conf["spark.hadoop.fs.s3a.access.key"] == "AKIDEXAMPLE" and conf["spark.hadoop.fs.s3a.secret.key"] == "s3cr3t"
-    assert conf["spark.hadoop.fs.s3a.aws.credentials.provider"].endswith("SimpleAWSCredentialsProvider")
-    assert "spark.hadoop.fs.s3a.connection.ssl.enabled" not in conf  # https endpoint keeps TLS
-    monkeypatch.setenv("AWS_SESSION_TOKEN", "tok")
-    conf = spark_conf(resolve("s3://b/k"))
-    assert conf["spark.hadoop.fs.s3a.session.token"] == "tok"
-    assert conf["spark.hadoop.fs.s3a.aws.credentials.provider"].endswith("TemporaryAWSCredentialsProvider")
+def test_s3_spark_conf_never_carries_credentials(monkeypatch):
+    """Spark copies its conf into JVM command lines and event logs: the driver's keys must not be in it; S3A takes
+    them from the AWS SDK's default chain on each executor's node instead."""
+    canaries = {"AWS_ACCESS_KEY_ID": "AKIACANARY0000000001", "AWS_SECRET_ACCESS_KEY": "canary-secret-7f3a9c",
+                "AWS_SESSION_TOKEN": "canary-session-token-51be"}
+    for k, v in canaries.items():
+        monkeypatch.setenv(k, v)
+    for loc in (resolve("s3://b/k", s3_endpoint="https://s3.internal:443"), resolve("s3://b/k")):
+        conf = spark_conf(loc)
+        assert not [v for v in canaries.values() if any(v in c for c in (*conf, *conf.values()))], conf
+        assert not [k for k in conf if k.endswith((".access.key", ".secret.key", ".session.token"))]
+        assert conf["spark.hadoop.fs.s3a.aws.credentials.provider"] == "com.amazonaws.auth.DefaultAWSCredentialsProviderChain"
+    assert "spark.hadoop.fs.s3a.connection.ssl.enabled" not in spark_conf(
+        resolve("s3://b/k", s3_endpoint="https://s3.internal:443"))  # https endpoint keeps TLS
     assert spark_conf(resolve("/tmp/x")) == {}  # never leaked into non-S3 locations
+
+
+def test_s3a_retries_and_timeouts_for_throttling():
+    """A 503 SlowDown is retried with backoff, not failed: S3A's throttle and general retry settings, and the
+    timeouts, in the forms hadoop-aws 3.3.1 parses (integer milliseconds for the connection ones)."""
+    conf = spark_conf(resolve("s3://b/k"))
+    assert int(conf["spark.hadoop.fs.s3a.retry.throttle.limit"]) >= 20
+    assert int(conf["spark.hadoop.fs.s3a.retry.limit"]) >= 7
+    for key in ("retry.interval", "retry.throttle.interval"):
+        assert re.fullmatch(r"\d+ms", conf[f"spark.hadoop.fs.s3a.{key}"]), key
+    assert 1 <= int(conf["spark.hadoop.fs.s3a.attempts.maximum"]) <= 10  # SDK retries multiply with S3A's
+    assert int(conf["spark.hadoop.fs.s3a.connection.establish.timeout"]) > 0
+    assert int(conf["spark.hadoop.fs.s3a.connection.timeout"]) >= 60_000
 
 
 def test_hdfs_views_without_connecting():
