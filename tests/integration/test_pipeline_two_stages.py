@@ -14,7 +14,7 @@ import transformers
 from raytrain.pipeline.hf_io import export_to_hf
 from raytrain.pipeline.model import MistralConfig
 
-pytestmark = pytest.mark.integration  # starts two processes; ~15 s
+# Integration: starts two processes (~15 s); tests/integration/conftest.py marks it.
 
 CFG = MistralConfig.preset("tiny")
 MICRO_BATCH_SIZE, GRAD_ACCUM, SEQ_LEN = 2, 2, 16
