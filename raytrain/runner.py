@@ -34,6 +34,9 @@ WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PA
 # runtime_env into its logs on every node and shows it in the dashboard's job and actor APIs, so AWS_ACCESS_KEY_ID,
 # AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN are not in this list: workers take credentials from the AWS chain of
 # their own node (docs/security.md); on the embedded cluster they inherit this process's environment.
+WORKER_SETUP_HOOK = "raytrain.storage.apply_run_umask"
+"""Ray's worker_process_setup_hook: every worker (trainer, Ray Data tasks) creates run files 0640, whatever umask
+the node's Ray was started with."""
 FORWARDED_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE",
                  "RAYTRAIN_USER")
 
@@ -88,7 +91,7 @@ def connect_ray(job: JobConfig) -> bool:
     runtime_env: dict[str, Any] = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
     if "worker_process_setup_hook" not in (job_config.get("runtime_env") or {}):
         # every worker (trainer, Ray Data tasks) creates run files 0640: a node's own umask may be 022
-        runtime_env["worker_process_setup_hook"] = "raytrain.storage.apply_run_umask"
+        runtime_env["worker_process_setup_hook"] = WORKER_SETUP_HOOK
     if framework_output_captured():
         # Ray Data's progress bars (driver and the trainer workers' reads) would be carriage-return noise in the log
         runtime_env["env_vars"].setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")

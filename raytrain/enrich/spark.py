@@ -156,6 +156,8 @@ def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str,
         "spark.sql.session.timeZone": "UTC",
         # S3A's credentials chain (also for s3:// paths that spark_conf never saw, such as a corpus file)
         "spark.hadoop.fs.s3a.aws.credentials.provider": S3A_CREDENTIALS_PROVIDER,
+        # Hadoop's writers apply their own umask (022 by default), not the process's: run files stay 0640
+        "spark.hadoop.fs.permissions.umask-mode": "027",
     }
 
 

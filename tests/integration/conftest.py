@@ -22,8 +22,9 @@ def ray_local():
 
     if ray.is_initialized():
         ray.shutdown()
-    from raytrain.runner import WORKER_ENV
+    from raytrain.runner import WORKER_ENV, WORKER_SETUP_HOOK
 
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+    ray.init(num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": dict(WORKER_ENV), "worker_process_setup_hook": WORKER_SETUP_HOOK})
     yield ray
     ray.shutdown()

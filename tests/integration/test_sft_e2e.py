@@ -145,6 +145,10 @@ def test_run_is_owned_fenced_and_closed_to_other_users(first_run):
                 stat.S_IMODE(os.stat(os.path.join(dirpath, name)).st_mode) & 0o777
     assert modes and all(mode == (0o750 if os.path.isdir(os.path.join(checkpoints, rel)) else 0o640)
                          for rel, mode in modes.items()), modes
+    # nothing in the run, Spark's and Ray Data's output included, is open to other users
+    open_to_others = [os.path.join(d, n) for d, dirs, names in os.walk(run.root.path) for n in dirs + names
+                      if os.stat(os.path.join(d, n)).st_mode & 0o007]
+    assert not open_to_others, open_to_others[:5]
 
 
 def test_both_stages_consumed_identical_micro_batches(first_run):
