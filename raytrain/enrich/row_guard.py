@@ -12,7 +12,7 @@ string column holding bytes that are not UTF-8 makes pyarrow's conversion to pan
 which fails the task and so the job. Checked here, in order (the first that applies is the reason):
 
 - ``undecodable_text``: a string anywhere in the row whose bytes are not valid UTF-8 (its bytes differ from its
-  re-encoding, which replaces each invalid sequence with U+FFFD);
+  re-encoding, which replaces each invalid sequence with U+FFFD), among the strings of at most ``max_chars``;
 - ``too_many_turns``: more than ``max_turns`` messages;
 - ``too_long``: the row's message text and tool-call arguments together over ``max_chars`` characters (the
   measure conversation.derive_example uses), or any single string of the row over ``max_chars``.
@@ -58,9 +58,11 @@ def _element_check(i: int, dtype: T.DataType, path: str, test: Callable[[Column]
     return check
 
 
-def _invalid_utf8(s: Column) -> Column:
-    # UTF8String -> java.lang.String replaces every invalid sequence, so only valid UTF-8 re-encodes to its own bytes
-    return s.isNotNull() & (s.cast("binary") != F.encode(s, "UTF-8"))
+def _invalid_utf8(s: Column, max_chars: int) -> Column:
+    # UTF8String -> java.lang.String replaces every invalid sequence, so only valid UTF-8 re-encodes to its own bytes.
+    # The re-encoding copies the string twice: one over max_chars is refused as too_long without it (And is
+    # evaluated left to right and stops at the first false).
+    return s.isNotNull() & (F.length(s) <= max_chars) & (s.cast("binary") != F.encode(s, "UTF-8"))
 
 
 def message_chars(messages: Column, dtype: T.DataType) -> Column:
@@ -103,7 +105,10 @@ def guard_rows(raw: DataFrame, max_chars: int, max_turns: int) -> DataFrame:
     docstring). Columns of ``_CHECKED`` the DataFrame lacks are skipped."""
     types = {f.name: f.dataType for f in raw.schema.fields}
     present = [c for c in _CHECKED if c in types]
-    utf8, utf8_detail = _first([leaf for c in present for leaf in _leaf_checks(F.col(c), types[c], c, _invalid_utf8)],
+    def undecodable(s: Column) -> Column:
+        return _invalid_utf8(s, max_chars)
+
+    utf8, utf8_detail = _first([leaf for c in present for leaf in _leaf_checks(F.col(c), types[c], c, undecodable)],
                                lambda p: f"{p} holds bytes that are not valid UTF-8 (the row was not decoded)")
     long_leaf, long_detail = _first(
         [leaf for c in present for leaf in _leaf_checks(F.col(c), types[c], c, lambda s: F.length(s) > max_chars)],
