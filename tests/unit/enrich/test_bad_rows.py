@@ -50,3 +50,29 @@ def test_a_file_of_the_wrong_nested_type_is_refused_naming_file_and_field(tmp_pa
     message = str(caught.value)
     assert path in message and "column messages[].content has type list<element: string>, expected string" in message
     assert "Fix:" in message
+
+
+def test_files_of_one_split_disagreeing_on_a_null_typed_field_are_refused_before_spark(tmp_path):
+    """One file wrote tool_calls all-null (type null, as pyarrow and HF datasets do for an all-null column), its
+    sibling with the struct type: each passes the schema check alone, but Spark reads the split with one schema
+    and failed the task ("optional int32 tool_calls is not a group"). Refused naming the field and both files; the
+    fix the message gives (conform_table) makes the split readable."""
+    from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA, conform_table
+
+    def row(uuid):
+        return {"uuid": uuid, "license": "cc-by-4.0", "generator": "g", "version": "v1", "category": "chat",
+                "reasoning": "off", "metadata": "{}", "messages": [{"role": "user", "content": "hi", "tool_calls": None},
+                             {"role": "assistant", "content": "hello", "tool_calls": None}]}
+
+    typed, null = (str(tmp_path / "data" / f"chat-0000{i}-of-00002.parquet") for i in range(2))
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist([row("a")], schema=NEMOTRON_V1_SCHEMA), typed)
+    pq.write_table(pa.Table.from_pylist([row("b")]), null)  # inferred: tool_calls is type null
+    assert pa.types.is_null(pq.read_schema(null).field("messages").type.value_type.field("tool_calls").type)
+    inputs = discover_inputs(resolve(str(tmp_path)), ("chat",))
+    with pytest.raises(RaytrainError) as caught:
+        validate_inputs(inputs)
+    assert str(caught.value).startswith(f"split 'chat': column messages[].tool_calls is all-null (type null) in "
+                                        f"file://{null} but typed in file://{typed}")
+    pq.write_table(conform_table(pq.read_table(null), null), null)
+    assert validate_inputs(inputs)["chat"]["schema"].equals(NEMOTRON_V1_SCHEMA)
