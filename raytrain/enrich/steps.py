@@ -1,6 +1,7 @@
 """The enrichment as Spark DataFrame transforms, in two row passes and one narrow dedup in between:
 
-    read -> prepare (one pass: derive, license, exact-dedup key, MinHash + LSH band keys, eval n-gram count)
+    read -> guard (in the JVM: invalid UTF-8, too many turns, too long; row_guard.py)
+         -> prepare (one pass: derive, license, exact-dedup key, MinHash + LSH band keys, eval n-gram count)
          -> duplicates (narrow columns only, all in Spark: exact groups, LSH buckets verified, the verified
             pairs' connected components in one task)
          -> finish (one pass over the rows still kept: selection, corpus context, tokenization to ids)
