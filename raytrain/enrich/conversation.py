@@ -29,12 +29,19 @@ from raytrain.dataset.conversation_rules import (
 # defined with the rules, in raytrain.dataset.conversation_rules).
 MISSING_UUID = "missing_uuid"
 TOO_LONG = "too_long"
+TOO_MANY_TURNS = "too_many_turns"
 QUARANTINE_REASONS: tuple[str, ...] = (
-    MISSING_UUID, MISSING_MESSAGES, BAD_ROLE, UNDECODABLE_TEXT, EMPTY_ANSWER, TOO_LONG,
+    MISSING_UUID, MISSING_MESSAGES, BAD_ROLE, UNDECODABLE_TEXT, EMPTY_ANSWER, TOO_LONG, TOO_MANY_TURNS,
 )
 
 # Matches EnrichConfig.max_chars: a guard against pathological rows, far above real ones (~40-48 KB).
 DEFAULT_MAX_CHARS = 1_000_000
+# A guard against pathological rows too: real conversations hold a few to a few dozen turns, and every turn costs
+# the tokenizer's framing tokens, so a thousand turns cannot fit any sequence length the project trains at.
+MAX_TURNS = 1_000
+# The two details' words, shared with the same checks in Spark (raytrain.enrich.row_guard).
+TOO_LONG_DETAIL = "{num_chars} characters > max_chars={max_chars}"
+TOO_MANY_TURNS_DETAIL = "{turns} messages > {max_turns} (the most a conversation may hold)"
 
 # Text that cannot have come from a clean UTF-8 decode: lone surrogates, the replacement character U+FFFD
 # (a decoder already gave up), and control characters other than tab/newline/carriage return (C0, DEL, C1).
@@ -171,11 +178,12 @@ def _normalize_messages(raw: list) -> list[dict]:
     return messages
 
 
-def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS) -> Example | Quarantined:
+def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS,
+                   max_turns: int = MAX_TURNS) -> Example | Quarantined:
     """Turn one raw row (uuid, license, category, reasoning, messages, ...) into an Example or a Quarantined.
 
-    Checks, in order: missing_uuid, missing_messages, bad_role (unknown role or malformed message),
-    undecodable_text, then the conversation rules the tokenizer applies too (raytrain.dataset.conversation_rules:
+    Checks, in order: missing_uuid, missing_messages, too_many_turns (more than ``max_turns`` messages), bad_role
+    (unknown role or malformed message), undecodable_text, then the conversation rules the tokenizer applies too (raytrain.dataset.conversation_rules:
     bad_role for wrong order, a misplaced tool turn or tool calls off an assistant turn; empty_answer for no final
     assistant turn, or an assistant turn with neither text nor tool calls), then too_long (all message text and
     tool-call arguments together above ``max_chars`` characters).
@@ -193,6 +201,8 @@ def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS
     raw = _as_list(row.get("messages"))
     if not raw:
         return Quarantined(uuid, MISSING_MESSAGES, f"messages is {_short_repr(row.get('messages'))}")
+    if len(raw) > max_turns:  # before any per-message work: its cost grows with the turns
+        return Quarantined(uuid, TOO_MANY_TURNS, TOO_MANY_TURNS_DETAIL.format(turns=len(raw), max_turns=max_turns))
     try:
         # bad_role before undecodable_text: a role check needs no text, and wrong structure is the root cause
         check_roles(raw)
@@ -201,7 +211,7 @@ def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS
         num_chars = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m["tool_calls"])
                         for m in messages)
         if num_chars > max_chars:
-            raise ConversationError(TOO_LONG, f"{num_chars} characters > max_chars={max_chars}")
+            raise ConversationError(TOO_LONG, TOO_LONG_DETAIL.format(num_chars=num_chars, max_chars=max_chars))
     except ConversationError as r:
         return Quarantined(uuid, r.reason, r.detail)
 

@@ -27,7 +27,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raytrain.config import SPLITS
-from raytrain.enrich.schema import validate_schema
+from raytrain.enrich.schema import null_typed_paths, validate_schema
 from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation
 
@@ -138,7 +138,8 @@ def validate_inputs(inputs: InputFiles) -> dict[str, dict[str, Any]]:
     schema instead of inferring it: one job per read saved).
 
     Raises RaytrainError naming the file: not readable as Parquet, or a missing/mistyped column
-    (schema.validate_schema)."""
+    (schema.validate_schema); or naming two files of one split where one wrote a field as all-null (type null)
+    and the other with its type (Spark reads a split with one schema and fails the task on the other file)."""
     counts: dict[str, dict[str, Any]] = {}
     for split, locs in inputs.files.items():
         rows, schemas = 0, []
@@ -153,8 +154,29 @@ def validate_inputs(inputs: InputFiles) -> dict[str, dict[str, Any]]:
             rows += meta.num_rows
             schemas.append(schema.remove_metadata())
         same = all(s.equals(schemas[0]) for s in schemas)
+        if not same:
+            _refuse_mixed_null_types(split, locs, schemas)
         counts[split] = {"files": len(locs), "rows": rows, "schema": schemas[0] if schemas and same else None}
     return counts
+
+
+def _refuse_mixed_null_types(split: str, locs: tuple[StorageLocation, ...], schemas: list) -> None:
+    """RaytrainError naming the field and a file of each kind when the files of ``split`` disagree on whether a
+    field is null-typed; a file-level mismatch is refused before Spark starts rather than quarantined row by row:
+    it is a property of how the file was written, not of one row, and the fix is to rewrite the file."""
+    typed: dict[str, StorageLocation] = {}
+    null: dict[str, StorageLocation] = {}
+    for loc, schema in zip(locs, schemas, strict=True):
+        for path, is_null in null_typed_paths(schema).items():
+            (null if is_null else typed).setdefault(path, loc)
+    mixed = sorted(set(typed) & set(null), key=len)  # the outermost field first
+    if mixed:
+        path = mixed[0]
+        raise RaytrainError(
+            f"split {split!r}: column {path} is all-null (type null) in {null[path].uri} but typed in "
+            f"{typed[path].uri}; Spark reads one split with one schema and cannot read both. Fix: rewrite "
+            f"{null[path].name} with the Nemotron v1 schema (pyarrow: pq.write_table(raytrain.enrich.schema."
+            "conform_table(pq.read_table(path), path), path)), or enrich the two files in separate runs.")
 
 
 # ---- layouts -----------------------------------------------------------------------------------------------

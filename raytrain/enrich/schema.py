@@ -107,6 +107,29 @@ def validate_schema(arrow_schema: pa.Schema, path: str, expected: pa.Schema = NE
         _check_type(arrow_schema.field(idx).type, want.type, want.name, path)
 
 
+def null_typed_paths(arrow_schema: pa.Schema, expected: pa.Schema = NEMOTRON_V1_SCHEMA) -> dict[str, bool]:
+    """Every path of ``expected`` the file has (dotted, ``[]`` for list elements) -> whether the file's type there
+    is ``null`` (what pyarrow and HF datasets write for a column whose values were all null). For a schema that
+    passed ``validate_schema``; a path under a null-typed one is not listed."""
+    out: dict[str, bool] = {}
+
+    def walk(actual: pa.DataType, want: pa.DataType, path: str) -> None:
+        out[path] = pa.types.is_null(actual)
+        if out[path]:
+            return
+        if pa.types.is_struct(want) and pa.types.is_struct(actual):
+            for f in want:
+                if actual.get_field_index(f.name) >= 0:
+                    walk(actual.field(f.name).type, f.type, f"{path}.{f.name}")
+        elif pa.types.is_list(want) and hasattr(actual, "value_type"):
+            walk(actual.value_type, want.value_type, f"{path}[]")
+
+    for want in expected:
+        if arrow_schema.get_field_index(want.name) >= 0:
+            walk(arrow_schema.field(want.name).type, want.type, want.name)
+    return out
+
+
 def conform_table(table: pa.Table, path: str, expected: pa.Schema = NEMOTRON_V1_SCHEMA) -> pa.Table:
     """Validate ``table`` and return it with exactly ``expected``'s columns, in order, cast to its types.
 

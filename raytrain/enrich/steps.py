@@ -1,6 +1,7 @@
 """The enrichment as Spark DataFrame transforms, in two row passes and one narrow dedup in between:
 
-    read -> prepare (one pass: derive, license, exact-dedup key, MinHash + LSH band keys, eval n-gram count)
+    read -> guard (in the JVM: invalid UTF-8, too many turns, too long; row_guard.py)
+         -> prepare (one pass: derive, license, exact-dedup key, MinHash + LSH band keys, eval n-gram count)
          -> duplicates (narrow columns only, all in Spark: exact groups, LSH buckets verified, the verified
             pairs' connected components in one task)
          -> finish (one pass over the rows still kept: selection, corpus context, tokenization to ids)
@@ -26,7 +27,9 @@ from pyspark.sql.pandas.types import from_arrow_schema
 
 from raytrain.config import JobConfig
 from raytrain.enrich import udfs
+from raytrain.enrich.conversation import MAX_TURNS
 from raytrain.enrich.dedup import lsh_params
+from raytrain.enrich.row_guard import guard_rows
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +73,8 @@ def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
 
 
 def prepare(raw: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
-    """Pass 1 (udfs.prepare_batch) over every raw row, spread over enrich.num_partitions; ``eval_index`` is the
-    broadcast sorted eval n-gram array. Persisted: the dedup reads its narrow columns, the finishing pass the rest."""
+    """Pass 1 (udfs.prepare_batch) over every raw row, spread over enrich.num_partitions, after row_guard refused
+    in the JVM the rows Python must not receive; ``eval_index`` is the broadcast sorted eval n-gram array. Persisted: the dedup reads its narrow columns, the finishing pass the rest."""
     cfg = job.enrich
     bands, rows = lsh_params(cfg.near_dup_threshold, NUM_PERM)
 
@@ -81,7 +84,9 @@ def prepare(raw: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
                                      bands=bands, rows=rows, shingle_chars=SHINGLE_CHARS, eval_index=eval_index.value,
                                      ngram=cfg.decontam_ngram)
 
-    prepared = raw.repartition(cfg.num_partitions).mapInPandas(body, schema=spark_schema(udfs.PREPARED))
+    # The guard runs before the shuffle: a refused row crosses it (and reaches Python) without its text.
+    guarded = guard_rows(raw, cfg.max_chars, MAX_TURNS)
+    prepared = guarded.repartition(cfg.num_partitions).mapInPandas(body, schema=spark_schema(udfs.PREPARED))
     return prepared.persist(StorageLevel.MEMORY_AND_DISK)
 
 

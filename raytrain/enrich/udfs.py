@@ -35,6 +35,9 @@ from raytrain.enrich.decontam import contamination_counts
 from raytrain.enrich.dedup import cluster_roots, exact_key, lsh_band_keys, minhash_signature, verified_pairs
 
 OK = "ok"
+GUARD_REASON = "guard_reason"
+GUARD_DETAIL = "guard_detail"
+"""The columns raytrain.enrich.row_guard adds (named here too: this module imports no pyspark)."""
 # Quarantine reasons decided here and in steps.py (conversation.QUARANTINE_REASONS are the derive ones,
 # raytrain.dataset.length.TOO_MANY_TOKENS the length policy's).
 LICENSE = "license"
@@ -83,9 +86,10 @@ def _defaults(schema: pa.Schema, n: int) -> dict[str, list]:
 # ---- pass 1: derive, license, dedup keys, eval n-grams ----------------------------------------------------------
 def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str], num_perm: int, bands: int,
                   rows: int, shingle_chars: int, eval_index: np.ndarray, ngram: int) -> pd.DataFrame:
-    """Raw Nemotron rows (+ ``row_id``, ``split``) -> one PREPARED row each.
+    """Raw Nemotron rows (+ ``row_id``, ``split``, and ``guard_reason`` / ``guard_detail`` when Spark checked them
+    first: raytrain.enrich.row_guard) -> one PREPARED row each.
 
-    ``status``: a derive reason (conversation.QUARANTINE_REASONS), "license" (its trimmed, case-folded license not
+    ``status``: the guard's reason when it has one, else a derive reason (conversation.QUARANTINE_REASONS), "license" (its trimmed, case-folded license not
     in ``licenses``) or "ok". Rows with "ok" get the exact-dedup key (dedup.exact_key of every turn's text), the
     MinHash signature of its character ``shingle_chars``-grams, its LSH band keys and ``eval_ngrams``; the others
     keep uuid/category/split, the reason's detail, and empty text columns.
@@ -97,8 +101,17 @@ def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str],
     for row in pdf.to_dict("records"):
         # pandas writes a missing string as NaN; the quarantine detail should say None, as pyarrow rows do
         row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+        refused = row.get(GUARD_REASON)
+        if refused:  # Spark refused it already (row_guard): its text never reached this process
+            category = row.get("category")
+            values: dict[str, Any] = {**empty, "row_id": int(row["row_id"]), "split": row["split"],
+                                      "uuid": row.get("uuid"), "status": refused, "detail": row.get(GUARD_DETAIL) or "",
+                                      "category": category if isinstance(category, str) else ""}
+            for name in PREPARED.names:
+                out[name].append(values[name])
+            continue
         result = derive_example(row, max_chars=max_chars)
-        values: dict[str, Any] = {**empty, "row_id": int(row["row_id"]), "split": row["split"], "uuid": result.uuid}
+        values = {**empty, "row_id": int(row["row_id"]), "split": row["split"], "uuid": result.uuid}
         if isinstance(result, Example):
             values.update(category=result.category, license=result.license, reasoning=result.reasoning)
             if result.license.strip().lower() in allowed:

@@ -296,3 +296,40 @@ def test_near_duplicate_chains_and_stars_collapse_in_spark(spark):
     assert got[21] == (udfs.EXACT_DUPLICATE, "duplicate of y1 (same normalized text)")
     assert len(got) == 7
     assert (dups.pairs, dups.near_drops) == (6, 6)  # a~b, b~c, c~d, e~f, e~g, e~h; nothing else reaches 0.8
+
+
+def test_bad_rows_are_quarantined_and_the_rest_kept(spark, tmp_path):
+    """The rows a footer check cannot see, in one hub-layout file with four good rows, through the whole enrichment
+    on this module's Spark session: invalid UTF-8 inside a message (it used to fail the Python worker's Arrow ->
+    pandas conversion, and so the job), a null message, one 50 MB row and a row of 10,000 turns (the last two
+    refused in the JVM, before any Python worker or shuffle sees their text). Each leaves through its door, the
+    good rows are kept, and the report counts each reason exactly."""
+    from raytrain.enrich.job import enrich_in_session
+    from raytrain.sample_data.bad_rows import write_bad_rows_file
+
+    bad = write_bad_rows_file(str(tmp_path / "bad"))
+    job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2", "data.splits=[chat]",
+                                                "enrich.context_corpus=[]"])
+    result = enrich_in_session(spark, job, resolve(bad.out_dir), resolve(str(tmp_path / "run")), eval_sets=())
+    report = result.report
+    want = {u: r for u, r in bad.expected.items() if r != "ok"}
+    assert report["rows_in"] == 8 and report["rows_out"] == 4
+    assert report["quarantined"] == {r: 1 for r in want.values()}
+    assert report["steps"][0] == {"step": "derive", "rows_in": 8, "rows_out": 4,
+                                  "quarantined": {r: 1 for r in sorted(want.values())}}
+    kept = pq.read_table(result.enriched.path, columns=["uuid"]).column("uuid").to_pylist()  # pyarrow reads Spark's
+    assert sorted(kept) == sorted(u for u, r in bad.expected.items() if r == "ok")
+    quarantine = {r["uuid"]: r for r in pq.read_table(result.quarantine.path).to_pylist()}
+    assert {u: q["reason"] for u, q in quarantine.items()} == want
+    assert all(q["split"] == "chat" and q["category"] == "chat" for q in quarantine.values())
+    assert quarantine["bad-utf8"]["detail"] == \
+        "messages[].content holds bytes that are not valid UTF-8 (the row was not decoded)"
+    assert quarantine["bad-nested"]["detail"] == "message 1 is a NoneType, not a mapping with 'role' and 'content'."
+    assert quarantine["huge-row"]["detail"] == f"{len(_huge_text(bad))} characters > max_chars=1000000"
+    assert quarantine["many-turns"]["detail"] == "10000 messages > 1000 (the most a conversation may hold)"
+
+
+def _huge_text(bad) -> str:
+    """The huge row's message text (all of it: what derive_example's max_chars counts), read by pyarrow."""
+    table = pq.read_table(bad.path, filters=[("uuid", "=", "huge-row")], columns=["messages"])
+    return "".join(m["content"] for m in table.column("messages").to_pylist()[0])

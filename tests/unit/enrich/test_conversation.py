@@ -13,6 +13,7 @@ from raytrain.enrich.conversation import (
     MISSING_UUID,
     QUARANTINE_REASONS,
     TOO_LONG,
+    TOO_MANY_TURNS,
     UNDECODABLE_TEXT,
     Example,
     Quarantined,
@@ -95,6 +96,8 @@ def test_rows_from_pandas_numpy_arrays_give_the_same_example():
         (_row([_m("user", "q")]), EMPTY_ANSWER),
         (_row([_m("user", "q"), _m("assistant", "", [CALL]), _m("tool", "x")]), EMPTY_ANSWER),
         (_row([_m("user", "q"), _m("assistant", "a" * 101)]), TOO_LONG),
+        (_row([_m("user", "q"), _m("assistant", "a")] * 501), TOO_MANY_TURNS),  # 1,002 turns; before too_long
+        (_row([_m("user", "q"), _m("narrator", "a")] * 501), TOO_MANY_TURNS),  # counted before any message is read
     ],
 )
 def test_quarantine_reasons(row, reason):
@@ -130,3 +133,10 @@ def test_reasoning_inferred_when_missing():
     off = derive_example(_row([_m("user", "q"), _m("assistant", "a")], reasoning="weird"))
     assert (on.reasoning, off.reasoning) == ("on", "off")
     assert derive_example(_row([_m("user", "q"), _m("assistant", "a")], reasoning="ON")).reasoning == "on"
+
+
+def test_too_many_turns_at_the_limit():
+    turns = [_m("user", "q"), _m("assistant", "a")] * 2
+    assert isinstance(derive_example(_row(turns), max_turns=4), Example)
+    out = derive_example(_row([*turns, _m("user", "q")]), max_turns=4)
+    assert out == Quarantined("u-1", TOO_MANY_TURNS, "5 messages > 4 (the most a conversation may hold)")

@@ -327,3 +327,26 @@ def test_finish_batch_quarantines_a_row_too_long_before_any_context_without_embe
     embedded.clear()
     udfs.finish_batch(rows, select={**select, "system_prompt": "select"}, tokenize=tokenize)
     assert embedded == [["long", "short"]]
+
+
+def test_prepare_batch_quarantines_the_rows_spark_refused_without_deriving_them():
+    """Rows row_guard refused in the JVM arrive with a reason and without their text: they leave with that reason,
+    their uuid, category and detail; the rows beside them (guard_reason null, NaN in pandas) are derived as usual."""
+    messages = [{"role": "user", "content": "Why is the sky blue?", "tool_calls": None},
+                {"role": "assistant", "content": "Rayleigh scattering.", "tool_calls": None}]
+    pdf = pd.DataFrame([
+        {"uuid": "kept", "license": "mit", "category": "chat", "reasoning": "off", "messages": messages,
+         "row_id": 0, "split": "chat", "guard_reason": None, "guard_detail": None},
+        {"uuid": "bad\ufffd", "license": None, "category": "chat", "reasoning": None, "messages": None,
+         "row_id": 1, "split": "chat", "guard_reason": "undecodable_text",
+         "guard_detail": "messages[].content holds bytes that are not valid UTF-8 (the row was not decoded)"},
+        {"uuid": "long", "license": None, "category": None, "reasoning": None, "messages": None,
+         "row_id": 2, "split": "chat", "guard_reason": "too_long", "guard_detail": "5 characters > max_chars=4"},
+    ])
+    out = udfs.prepare_batch(pdf, eval_index=build_sorted_index([]), **PREPARE)
+    assert out["status"].tolist() == [udfs.OK, "undecodable_text", "too_long"]
+    assert out["uuid"].tolist() == ["kept", "bad\ufffd", "long"]
+    assert out["category"].tolist() == ["chat", "chat", ""]
+    assert out["detail"].tolist()[1:] == [pdf["guard_detail"][1], "5 characters > max_chars=4"]
+    assert out["messages_json"].tolist()[1:] == ["", ""] and out["row_id"].tolist() == [0, 1, 2]
+    assert out["question"][0] == "Why is the sky blue?"
