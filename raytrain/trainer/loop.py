@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -17,7 +16,8 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from raytrain.checkpoint.store import CheckpointStore
+from raytrain.checkpoint.layout import step_dir_name
+from raytrain.checkpoint.store import CheckpointStore, CommittedCheckpoint
 from raytrain.config import JobConfig
 from raytrain.dataset.labels import IGNORE_INDEX
 from raytrain.dataset.packs import PackReader
@@ -283,8 +283,7 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     ckpt = store.get(chosen[0])
     if ckpt is None:
         raise RuntimeError(f"checkpoint step {chosen[0]} vanished between verify and load")
-    local = ckpt.local_path or store.download(ckpt, tempfile.mkdtemp(prefix="raytrain-resume-"))
-    client_state = stage.load(local)
+    client_state = _load_own_files(stage, store, ckpt, rank)
     step = int(client_state["step"])
     check_resume_position(client_state["data_position"], step, tc.dp, tc.grad_accum_steps, ckpt.uri,
                           saved_with=(ckpt.manifest.get("metadata", {}).get("config") or {}).get("train"))
@@ -292,6 +291,37 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     if topo.world_rank == 0:
         print(f"[raytrain] resumed from checkpoint step {step} ({ckpt.uri})", flush=True)
     return step, dict(ckpt.manifest.get("metadata", {}).get("metrics") or {})
+
+
+def _load_own_files(stage: Any, store: CheckpointStore, ckpt: CommittedCheckpoint, rank: int) -> dict[str, Any]:
+    """Load ``ckpt`` into this rank's stage and return DeepSpeed's client state. On POSIX in place; on s3/hdfs only
+    the files this rank's load opens (stage.checkpoint_files) are downloaded, into a node-local temp dir removed
+    right after the load, and what was fetched is recorded in ``reports/resume/<step>-rank<R>.json``."""
+    names = sorted(ckpt.manifest["files"])
+    opened, listed = stage.checkpoint_files(names) if ckpt.local_path is None else ([], [])
+    t0 = time.perf_counter()
+    with store.local_copy(ckpt, opened, label=f"resume-rank{rank}") as local:
+        for rel in listed:  # other ranks' files DeepSpeed only counts: empty stand-ins (stage.checkpoint_files)
+            open(os.path.join(local, *rel.split("/")), "wb").close()
+        fetched_bytes = _tree_bytes(local) if ckpt.local_path is None else 0
+        client_state = stage.load(local)
+    if opened:
+        record = {"step": ckpt.step, "rank": rank, "files": opened, "stand_ins": listed,
+                  "fetched_bytes": fetched_bytes,
+                  "checkpoint_bytes": sum(e["size"] for e in ckpt.manifest["files"].values()),
+                  "local_dir": local, "local_dir_removed": not os.path.exists(local),
+                  "seconds": round(time.perf_counter() - t0, 3)}
+        store.run_root.join("reports", "resume", f"{step_dir_name(ckpt.step)}-rank{rank}.json") \
+            .write_atomic(json.dumps(record, indent=1))
+        print(f"[raytrain] rank {rank}: fetched {len(opened)} of {len(names)} checkpoint files "
+              f"({fetched_bytes / 2**20:,.1f} of {record['checkpoint_bytes'] / 2**20:,.1f} MiB) for its stage; "
+              "temp copy removed after the load", flush=True)
+    return client_state
+
+
+def _tree_bytes(directory: str) -> int:
+    """Bytes of the files below ``directory`` (what a local copy occupies on disk, give or take block rounding)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
 
 
 def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, job: JobConfig,
