@@ -9,6 +9,9 @@ feed, StageEngine.save, CheckpointStore.hash_share (each rank hashes and fsyncs 
 commit (rank 0, the manifest from the ranks' sidecars). A save stops training for its whole duration (DeepSpeed's
 save, the two barriers, the hashing, the commit), so the time lost per save is that duration; it is printed with
 the median step time, as a fraction of the time between saves.
+
+It also prints the local disk an s3/hdfs resume takes per rank: each rank downloads only the files its stage loads
+(StageEngine.checkpoint_files), where it used to download the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -86,8 +89,10 @@ def worker(rank: int, port: int, args: argparse.Namespace, root: str, result_pat
         size = sum(e["size"] for e in store.latest().manifest["files"].values())
         saves.append({"total_s": t_done - t0, "write_s": t_written - t0, "hash_s": t_hashed - t_written,
                       "bytes_hashed": hashed, "checkpoint_bytes": size})
+    files = store.latest().manifest["files"]
+    own_bytes = sum(files[rel]["size"] for rel in stage.checkpoint_files(sorted(files))[0])
     with open(f"{result_path}.rank{rank}", "w", encoding="utf-8") as f:
-        json.dump({"step_s": step_s, "saves": saves}, f)
+        json.dump({"step_s": step_s, "saves": saves, "resume_own_bytes": own_bytes}, f)
     dist.destroy_process_group()
 
 
@@ -121,11 +126,16 @@ def main() -> None:
           f"{write_bw / 2**20:.0f} MiB/s and hashed at {hash_bw / 2**20:.0f} MiB/s per rank)")
     print(f"  lost per save / time between saves at checkpoint_every={args.every}: {lost_s:.2f} / {interval_s:.0f} s "
           f"= {100 * lost_s / interval_s:.2f}% (target <= 2%)")
+    own = [r["resume_own_bytes"] for r in ranks]
+    print(f"  s3/hdfs resume, local disk per rank: {', '.join(f'{b / 2**20:.0f}' for b in own)} MiB (the files its load opens) "
+          f"of the {written / 2**20:.0f} MiB checkpoint every rank used to download")
     for name, (pp, dp) in LAYOUTS_7B.items():
         per_rank = PARAMS_7B * 2 / pp + PARAMS_7B * 12 / (pp * dp)
         estimate = per_rank / write_bw + per_rank / hash_bw  # every rank writes and hashes about its own share
         print(f"  7B estimate, {name}: {per_rank / 2**30:.1f} GiB per rank -> {estimate:.0f} s per save at this "
-              "machine's per-rank write and hash bandwidth (a parallel filesystem's differ; measure there)")
+              "machine's per-rank write and hash bandwidth (a parallel filesystem's differ; measure there); "
+              f"an s3 resume takes {per_rank / 2**30:.1f} GiB of local disk per rank, not the whole "
+              f"{PARAMS_7B * 14 / 2**30:.0f} GiB checkpoint")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain.config import JobConfig
 from raytrain.console import framework_output_captured, hook_worker_output
-from raytrain.errors import ConfigError, RaytrainError
+from raytrain.errors import ConfigError, CorruptCheckpointError, RaytrainError
 from raytrain.redact import redact, redact_tree
 from raytrain.storage import StorageLocation, apply_run_umask, resolve, run_root, secure_run_dir, submitting_user
 
@@ -440,7 +440,11 @@ def _check_model_fits_tokenizer(job: JobConfig) -> None:
 
 
 def export_latest(job: JobConfig, out_dir: str = "") -> str:
-    """Merge the run's latest checkpoint into a Hugging Face Mistral directory; returns its path."""
+    """Merge the run's latest checkpoint into a Hugging Face Mistral directory; returns its path.
+
+    Holds a lease on the step while it reads (retention keeps the step), checks every file's sha256 against the
+    manifest first (CorruptCheckpointError naming the file), and on s3/hdfs downloads only the layer files it
+    merges into a temp dir removed afterwards."""
     from raytrain.checkpoint.layout import step_dir_name
     from raytrain.checkpoint.store import CheckpointStore
     from raytrain.pipeline.engine import DS_TAG
@@ -452,12 +456,23 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
     latest = store.latest()
     if latest is None:
         raise RaytrainError(f"no committed checkpoint under {run.root.join('checkpoints').uri}; run training first")
-    local = latest.local_path or store.download(latest, tempfile.mkdtemp(prefix="raytrain-export-"))
     if not out_dir:
         exports = run.root.join("exports", step_dir_name(latest.step))
         if not exports.is_posix:
             raise RaytrainError("exporting to an object store needs --out with a local directory")
         out_dir = exports.path
-    export_to_hf(os.path.join(local, DS_TAG), model_config(job.model.preset, job.model.init_from), out_dir,
-                 tokenizer=job.dataset.tokenizer)
+    with store.lease(latest.step, purpose="export"):
+        ckpt = store.get(latest.step)  # retention may have run between latest() and the lease
+        if ckpt is None:
+            raise RaytrainError(f"checkpoint {latest.uri} was deleted by retention before export could hold it; "
+                                "run the export again (it takes the newest checkpoint)")
+        problem = store.find_problem(ckpt)
+        if problem is not None:
+            raise CorruptCheckpointError(
+                f"export of {ckpt.uri}: {problem}; the checkpoint is corrupt. Run training again with "
+                "train.on_corrupt_checkpoint=fallback to redo it from the previous good checkpoint, then export")
+        layers = [rel for rel in ckpt.manifest["files"] if rel.startswith(f"{DS_TAG}/layer_")]
+        with store.local_copy(ckpt, layers, label="export") as local:
+            export_to_hf(os.path.join(local, DS_TAG), model_config(job.model.preset, job.model.init_from), out_dir,
+                         tokenizer=job.dataset.tokenizer)
     return out_dir

@@ -4,6 +4,7 @@
       step_00000010/            committed: every rank's files + manifest.json (written last)
       step_00000020.partial/    being written, or left by a crash: never loaded, removed by cleanup_partials()
       latest                    text file: the name of the newest committed step dir
+      leases/step_00000010.<id>.json   a reader (export) holds step 10 until the lease's expiry: retention keeps it
 
 Names are zero-padded so a listing sorts by step, but code always orders by the parsed step (steps past
 99,999,999 simply get longer names).
@@ -27,6 +28,8 @@ LATEST_NAME = "latest"
 SIDECAR_PREFIX = ".raytrain-upload-"
 # A committed dir moved aside while a re-run of the same step replaces it.
 TRASH_PREFIX = ".trash-"
+# Folder of read leases: one JSON file per holder of a step, {step, holder, purpose, expires_unix_s}.
+LEASES_DIR = "leases"
 
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS},}})$")
 _PARTIAL_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS},}})\.partial$")
@@ -68,6 +71,31 @@ def committed_steps(names: Iterable[str]) -> list[int]:
 def partial_names(names: Iterable[str]) -> list[str]:
     """Names among `names` that are leftovers of unfinished saves (partials and trash), sorted."""
     return sorted(n for n in names if parse_partial_dir_name(n) is not None or n.startswith(TRASH_PREFIX))
+
+
+def lease_file_name(step: int, lease_id: str) -> str:
+    """(10, "ab12") -> "step_00000010.ab12.json": a lease's file under `leases/`, one per holder."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", lease_id):
+        raise RaytrainError(f"lease id {lease_id!r} must be 1-64 characters of [A-Za-z0-9_-]")
+    return f"{step_dir_name(step)}.{lease_id}.json"
+
+
+def parse_lease_file_name(name: str) -> int | None:
+    """"step_00000010.ab12.json" -> 10; None for anything else."""
+    stem, _, rest = name.partition(".")
+    return parse_step_dir_name(stem) if rest.endswith(".json") and rest.count(".") == 1 else None
+
+
+def live_leased_steps(leases: Iterable[Mapping[str, object]], now_unix_s: float) -> set[int]:
+    """Steps held by a lease (parsed lease files) that has not expired at `now_unix_s`. A lease without a usable
+    step or expiry holds nothing: a torn or foreign file must not pin a checkpoint forever."""
+    live = set()
+    for lease in leases:
+        step, expires = lease.get("step"), lease.get("expires_unix_s")
+        if isinstance(step, int) and not isinstance(step, bool) and isinstance(expires, int | float) \
+                and math.isfinite(expires) and expires > now_unix_s:
+            live.add(step)
+    return live
 
 
 def is_payload_file(relpath: str) -> bool:

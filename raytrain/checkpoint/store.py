@@ -20,11 +20,18 @@ Call `cleanup_partials()` once when a job starts (before any rank stages), never
 Fencing: a store given the job's run-lock `fence` re-reads `<run>/.lock` before each step of a commit that others
 can see (the manifest, the rename, `latest`, retention) and before cleanup_partials(); once another job holds the
 run it raises LockLostError and writes nothing.
+
+Reading: on POSIX a rank loads a step dir in place; on s3/hdfs `local_copy(ckpt, files)` downloads only the files
+that rank opens (checking each sha256) into a node-local temp dir removed when the block ends. A reader that needs a
+step for a while (export) holds a `lease(step)`: retention never deletes a step with a live lease, and a lease
+expires unless renewed, so a killed reader does not pin a step forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import getpass
 import hashlib
 import json
 import logging
@@ -32,32 +39,40 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from raytrain import __version__
 from raytrain.checkpoint.layout import (
     LATEST_NAME,
+    LEASES_DIR,
     MANIFEST_NAME,
     SIDECAR_PREFIX,
     TRASH_PREFIX,
     best_step,
     committed_steps,
     is_payload_file,
+    lease_file_name,
+    live_leased_steps,
+    parse_lease_file_name,
     parse_step_dir_name,
     partial_dir_name,
     partial_names,
     plan_retention,
     step_dir_name,
 )
-from raytrain.errors import RaytrainError
+from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.runlock import Fence, check_fence
 from raytrain.storage import CHECKPOINTS_DIR, StorageLocation, fsync_dir
 
 MANIFEST_FORMAT = 1
 _CHUNK_BYTES = 8 << 20
+LEASE_TTL_S = 900.0
+"""How long a lease holds a step without renewal; `lease()` renews it every third of that while its block runs."""
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +317,7 @@ class CheckpointStore:
         if problem is None:
             return ckpt
         if self.on_corrupt == "error":
-            raise RaytrainError(
+            raise CorruptCheckpointError(
                 f"checkpoint {ckpt.uri} is corrupt: {problem}. Resume from an earlier checkpoint with "
                 "on_corrupt='fallback', or delete this step dir if you know it is bad"
             )
@@ -318,25 +333,107 @@ class CheckpointStore:
                 log.warning("falling back from step %d to step %d", ckpt.step, step)
                 return earlier
             log.warning("checkpoint %s is corrupt too (%s)", earlier.uri, earlier_problem)
-        raise RaytrainError(f"checkpoint {ckpt.uri} is corrupt ({problem}) and no earlier checkpoint is intact")
+        raise CorruptCheckpointError(
+            f"checkpoint {ckpt.uri} is corrupt ({problem}) and no earlier checkpoint is intact")
 
-    def download(self, ckpt: CommittedCheckpoint, local_dir: str) -> str:
-        """Copy the checkpoint's files (and manifest) into `local_dir`, checking each sha256 on the way.
-        Returns `local_dir`. Raises RaytrainError naming a file whose content differs from the manifest."""
+    def download(self, ckpt: CommittedCheckpoint, local_dir: str, files: Iterable[str] | None = None) -> str:
+        """Copy the checkpoint's files (all, or only `files`: manifest paths) and its manifest into `local_dir`,
+        checking each sha256 on the way. Returns `local_dir`. Raises CorruptCheckpointError naming a file whose
+        content differs from the manifest, RaytrainError for a name the manifest does not list."""
+        entries = ckpt.manifest["files"]
+        wanted = sorted(entries) if files is None else sorted(set(files))
+        unknown = [rel for rel in wanted if rel not in entries]
+        if unknown:
+            raise RaytrainError(f"download of {ckpt.uri}: {unknown[:5]} are not in its manifest")
         os.makedirs(local_dir, exist_ok=True)
-        for rel, entry in sorted(ckpt.manifest["files"].items()):
+        for rel in wanted:
+            entry = entries[rel]
             dest = os.path.join(local_dir, *rel.split("/"))
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with ckpt.location.join(rel).open_input() as fin, open(dest, "wb") as fout:
-                got = _copy_hashing(fin, fout)
+            try:
+                with ckpt.location.join(rel).open_input() as fin, open(dest, "wb") as fout:
+                    got = _copy_hashing(fin, fout)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"download of {ckpt.uri}: file {rel!r} is missing") from exc
             if got != {"size": entry["size"], "sha256": entry["sha256"]}:
-                raise RaytrainError(
+                raise CorruptCheckpointError(
                     f"download of {ckpt.uri}: file {rel!r} is {got['size']} bytes sha256 {got['sha256'][:12]}…, "
                     f"manifest says {entry['size']} bytes sha256 {entry['sha256'][:12]}…; the checkpoint is corrupt"
                 )
         with open(os.path.join(local_dir, MANIFEST_NAME), "w") as f:
             json.dump(ckpt.manifest, f, indent=1, sort_keys=True)
         return local_dir
+
+    @contextlib.contextmanager
+    def local_copy(self, ckpt: CommittedCheckpoint, files: Iterable[str] | None = None,
+                   label: str = "read") -> Iterator[str]:
+        """A local POSIX directory holding `ckpt` for the length of the block. POSIX roots: the step dir itself
+        (nothing copied). s3/hdfs: only `files` (default: all) downloaded and hash-checked into a fresh dir under
+        the node-local staging root, removed when the block ends, also on error: a rank's extra disk is its own
+        files, once. `label` ends up in the temp dir's name (resume, export)."""
+        if ckpt.local_path is not None:
+            yield ckpt.local_path
+            return
+        run_key = hashlib.sha1(self.root.uri.encode()).hexdigest()[:12]
+        parent = os.path.join(self._local_staging_root, "raytrain-local-copies", run_key)
+        os.makedirs(parent, exist_ok=True)
+        local = tempfile.mkdtemp(prefix=f"{step_dir_name(ckpt.step)}-{label}-", dir=parent)
+        try:
+            yield self.download(ckpt, local, files)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
+    # ---- leases -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lease(self, step: int, purpose: str, ttl_s: float = LEASE_TTL_S) -> Iterator[str]:
+        """Hold `step` against retention for the block: writes `checkpoints/leases/<step>.<id>.json` (holder,
+        purpose, expiry), renews it every ttl_s/3 from a daemon thread, deletes it when the block ends. A holder
+        killed without cleanup stops renewing, so its lease expires after `ttl_s`. Yields the lease's URI.
+        Take the lease before reading the step, then check the step still exists (retention may have run just
+        before the lease was written)."""
+        if not (ttl_s > 0):
+            raise RaytrainError(f"lease ttl_s={ttl_s!r} must be > 0 seconds")
+        loc = self.root.join(LEASES_DIR, lease_file_name(step, uuid.uuid4().hex[:12]))
+        holder = f"{_user()}@{socket.gethostname()}:{os.getpid()}"
+
+        def write() -> None:
+            loc.write_atomic(json.dumps({"step": step, "holder": holder, "purpose": purpose,
+                                         "expires_unix_s": round(time.time() + ttl_s, 3)}))
+
+        loc.parent.mkdirs()
+        write()
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(ttl_s / 3):
+                try:
+                    write()
+                except Exception as exc:  # noqa: BLE001 - a failed renewal is retried next period; say it
+                    log.warning("could not renew checkpoint lease %s: %s", loc.uri, exc)
+
+        thread = threading.Thread(target=renew, name=f"lease-{step_dir_name(step)}", daemon=True)
+        thread.start()
+        try:
+            yield loc.uri
+        finally:
+            stop.set()
+            thread.join()
+            loc.delete_file()
+
+    def leases(self) -> list[dict[str, Any]]:
+        """Every readable lease file under `checkpoints/leases/` (live or expired), each with its `name`."""
+        out = []
+        folder = self.root.join(LEASES_DIR)
+        for name in folder.listdir():
+            if parse_lease_file_name(name) is None:
+                continue
+            try:
+                lease = json.loads(folder.join(name).read_text())
+            except (FileNotFoundError, ValueError, UnicodeDecodeError):
+                continue  # released meanwhile, or torn: holds nothing (live_leased_steps)
+            if isinstance(lease, dict):
+                out.append({**lease, "name": name})
+        return out
 
     # ---- housekeeping -------------------------------------------------------------------------------------
     def cleanup_partials(self) -> list[str]:
@@ -400,7 +497,7 @@ class CheckpointStore:
             return None
         except (ValueError, UnicodeDecodeError, AttributeError) as exc:
             if strict:
-                raise RaytrainError(
+                raise CorruptCheckpointError(
                     f"checkpoint manifest {manifest_loc.uri} is unreadable ({exc}); use on_corrupt='fallback' to "
                     "resume from an earlier checkpoint"
                 ) from exc
@@ -467,7 +564,8 @@ class CheckpointStore:
             [c.step for c in ckpts],
             keep_last=self.keep_last,
             best=best_step(metric_by_step, self.mode),
-            protected={*protected, *self._protected, *([pointer] if pointer is not None else [])},
+            protected={*protected, *self._protected, *([pointer] if pointer is not None else []),
+                       *self._leased_steps()},
         )
         for step in plan.delete:
             loc = self._final(step)
@@ -480,6 +578,17 @@ class CheckpointStore:
             else:
                 loc.join(MANIFEST_NAME).delete_file()  # uncommit first, so a half-deleted prefix is a partial
                 loc.delete_dir()
+
+
+    def _leased_steps(self) -> set[int]:
+        """Steps a live lease holds; removes lease files that expired a lease TTL ago (their holder is gone)."""
+        now = time.time()
+        leases = self.leases()
+        for lease in leases:
+            expires = lease.get("expires_unix_s")
+            if isinstance(expires, int | float) and expires + LEASE_TTL_S < now:
+                self.root.join(LEASES_DIR, lease["name"]).delete_file()
+        return live_leased_steps(leases, now)
 
 
 def _copy_hashing(fin: Any, fout: Any) -> dict[str, Any]:
@@ -507,6 +616,13 @@ def _hash_file(loc: StorageLocation, fsync: bool) -> str:
         while chunk := f.read(_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for the uid (containers)
+        return str(os.getuid())
 
 
 def _now_iso() -> str:

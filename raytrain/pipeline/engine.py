@@ -122,6 +122,41 @@ class StageEngine:
         """Every rank writes its own layer and optimizer files under directory/ds/."""
         self.engine.save_checkpoint(directory, tag=DS_TAG, client_state=client_state, save_latest=False)
 
+    def checkpoint_files(self, names: list[str]) -> tuple[list[str], list[str]]:
+        """Which of a checkpoint's files (paths relative to the step dir, e.g. ``ds/layer_03-model_states.pt``)
+        this rank's ``load`` opens, and which it only needs to see listed. Returns ``(opened, listed)``.
+
+        Opened: its stage's layer files, its model-parallel rank's ``mp_rank_XX_model_states.pt``, the first one
+        too (DeepSpeed's loader reads ``mp_world_size`` from it) and, with ZeRO, its own optimizer partition (every
+        dp rank's with elastic checkpoints, which DeepSpeed then reads). Listed: the other ranks'
+        ``mp_rank_XX_model_states.pt``: DeepSpeed globs them and checks their count, never opens them, so empty
+        stand-ins will do. Files of a kind not named here are opened by every rank."""
+        engine = self.engine
+        mp = engine.checkpoint_mp_rank
+        layers = range(engine.module._local_start, engine.module._local_stop)
+        own_layer = tuple(f"{DS_TAG}/layer_{i:02d}-" for i in layers)
+        dp_ranks = range(self.num_replicas) if engine.zero_elastic_checkpoint() else (self.dp_rank,)
+        own_optim = tuple(f"zero_pp_rank_{dp}_mp_rank_{mp:02d}" for dp in dp_ranks)
+        model_states = sorted(rel for rel in names if rel.rsplit("/", 1)[-1].startswith("mp_rank_")
+                              and rel.endswith("_model_states.pt"))
+        opened, listed = [], []
+        for rel in names:
+            base = rel.rsplit("/", 1)[-1]
+            if base.startswith("layer_") and base.endswith("model_states.pt"):
+                keep = rel.startswith(own_layer)
+            elif base.endswith("optim_states.pt"):
+                keep = any(part in base for part in own_optim) if "zero_pp_rank_" in base \
+                    else f"mp_rank_{mp:02d}" in base
+            elif rel in model_states:
+                keep = base == f"mp_rank_{mp:02d}_model_states.pt" or rel == model_states[0]
+                if not keep:
+                    listed.append(rel)
+            else:
+                keep = True
+            if keep:
+                opened.append(rel)
+        return opened, listed
+
     def load(self, directory: str) -> dict[str, Any]:
         path, client_state = self.engine.load_checkpoint(
             directory, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)

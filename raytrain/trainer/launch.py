@@ -15,9 +15,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import JobConfig
 from raytrain.dataset.stream import PackedData
-from raytrain.errors import RaytrainError
+from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
-from raytrain.runlock import Fence
+from raytrain.runlock import Fence, LockLostError
 from raytrain.storage import StorageLocation
 from raytrain.trainer.evaluation import PackedFiles
 from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
@@ -67,8 +67,11 @@ def _files_of(packed: PackedData) -> PackedFiles:
 
 def user_error(error: BaseException) -> RaytrainError | None:
     """The first RaytrainError a failed worker group raised (rank order), looking through Ray's task-error
-    wrappers; None when the failure was something else (a crash, a lost node)."""
+    wrappers, or the one a controller-side callback raised (StopOnUnretryableError); None when the failure was
+    something else (a crash, a lost node)."""
     failures = getattr(error, "worker_failures", None) or {}
+    if not failures and getattr(error, "controller_failure", None) is not None:
+        failures = {0: error.controller_failure}
     for _, failure in sorted(failures.items()):
         seen: set[int] = set()
         while failure is not None and id(failure) not in seen:
@@ -77,6 +80,25 @@ def user_error(error: BaseException) -> RaytrainError | None:
                 return failure
             failure = getattr(failure, "cause", None) or failure.__cause__
     return None
+
+
+UNRETRYABLE = (CorruptCheckpointError, LockLostError)
+"""Worker errors a retry would meet again: a corrupt checkpoint (the same bytes are read), a lost run lock
+(another job holds the run)."""
+
+
+class StopOnUnretryableError(ray.train.UserCallback):
+    """Ends the run at the first worker error in UNRETRYABLE, whatever FailureConfig.max_failures.
+
+    Ray Train 2.60's failure policy retries every worker-group error up to max_failures and takes no user rule.
+    This callback runs in the Train controller after each poll that found worker errors: raising there is a
+    controller error, which the policy does not retry, so fit() ends at once (the error is found again by
+    user_error)."""
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        refused = user_error(ray.train.WorkerGroupError("worker error", worker_exceptions))
+        if isinstance(refused, UNRETRYABLE):
+            raise type(refused)(str(refused))
 
 
 def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_failures: int = 0,
@@ -116,7 +138,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
                                      placement_strategy=tc.placement_strategy),
         run_config=RunConfig(
             name="ray_train", storage_path=storage_path, storage_filesystem=storage_filesystem,
-            failure_config=FailureConfig(max_failures=max_failures)),
+            failure_config=FailureConfig(max_failures=max_failures), callbacks=[StopOnUnretryableError()]),
         # No `datasets=`: Ray Train would shard them by world rank, and the two data-reading stages of a pipeline
         # must see the same micro-batches (ray#60439). Each reading worker streams exactly its replica's packs with
         # Ray Data itself (raytrain.trainer.feed, raytrain.dataset.stream.stream_micro_batches).
@@ -126,12 +148,13 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
              f", eval on {validation.num_packs} held out" if validation is not None else "")
     try:
         trainer.fit()
-    except ray.train.WorkerGroupError as e:
+    except (ray.train.WorkerGroupError, ray.train.ControllerError) as e:
         # A worker refused bad input (a corrupt checkpoint, a changed batch layout): surface that error, with its
         # file/field and fix, rather than Ray's wrapper around it and the worker's traceback.
         refused = user_error(e)
         if refused is not None:
-            raise RaytrainError(str(refused)) from e
+            kind = CorruptCheckpointError if isinstance(refused, CorruptCheckpointError) else RaytrainError
+            raise kind(str(refused)) from e
         raise
     # Ray attaches metrics to reported checkpoints only; ours are committed by the store, whose manifest records
     # the metrics of the step it saved (the last step is always saved).

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,13 +21,14 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from raytrain.checkpoint.store import CheckpointStore
+from raytrain.checkpoint.layout import step_dir_name
+from raytrain.checkpoint.store import CheckpointStore, CommittedCheckpoint
 from raytrain.config import JobConfig
 from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
 from raytrain.redact import redact_tree
 from raytrain.runlock import Fence
-from raytrain.storage import apply_run_umask, resolve
+from raytrain.storage import StorageLocation, apply_run_umask, resolve
 from raytrain.trainer.evaluation import Evaluator, OpenPacks, PackedFiles, PackSource, Samples
 from raytrain.trainer.feed import FeedTrace, micro_batches
 from raytrain.trainer.metrics_sink import MetricsSink
@@ -92,7 +92,7 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
     job, tc = cfg.job, cfg.job.train
     topo = Topology(pp=stage.num_stages, dp=stage.num_replicas, stage=stage.stage, dp_rank=stage.dp_rank,
                     world_rank=stage.world_rank)
-    step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc)
+    step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc, store.run_root.join("reports"))
     train_packs = open_packs(cfg.packed)
     feed = _Feed(train_packs, topo, tc, step) if topo.needs_data else None
     held = {metric: open_packs(packed) for metric, packed in (("eval_loss", cfg.validation),
@@ -201,9 +201,11 @@ PARAM_DIGEST_MAX_PARAMETERS = 50_000_000
 the tests' tiny models check dp replicas with them; a 7B stage would copy gigabytes for an audit no one reads)."""
 
 
-def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tuple[int, dict[str, Any]]:
-    """Load the newest good checkpoint into this stage; returns its step (0 when starting fresh) and the step
-    metrics its manifest recorded ({} when starting fresh).
+def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any, reports: StorageLocation
+            ) -> tuple[int, dict[str, Any]]:
+    """Load the newest good checkpoint of ``store`` into this stage; returns its step (0 when starting fresh) and
+    the step metrics its manifest recorded ({} when starting fresh). ``reports``: this run's reports folder (the
+    store may be another run's, read-only: storage.init_from_run).
 
     Rank 0 cleans partial saves; every rank checks the sizes and hashes its share of the files against the manifest;
     rank 0 decides (falling back to an older checkpoint when configured) and tells every rank which step to load,
@@ -228,8 +230,7 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any) -> tupl
     ckpt = store.get(chosen[0])
     if ckpt is None:
         raise RuntimeError(f"checkpoint step {chosen[0]} vanished between verify and load")
-    local = ckpt.local_path or store.download(ckpt, tempfile.mkdtemp(prefix="raytrain-resume-"))
-    client_state = stage.load(local)
+    client_state = _load_own_files(stage, store, ckpt, rank, reports)
     step = int(client_state["step"])
     check_resume_position(client_state["data_position"], step, tc.dp, tc.grad_accum_steps, ckpt.uri,
                           saved_with=(ckpt.manifest.get("metadata", {}).get("config") or {}).get("train"))
@@ -248,6 +249,37 @@ def _resume_source(store: CheckpointStore, job: JobConfig) -> CheckpointStore:
         store.cleanup_partials()  # this run's own leftovers (the source's are never touched); _resume's barrier follows
     source = resolve(job.storage.init_from_run, s3_endpoint=job.storage.s3_endpoint or None)
     return CheckpointStore(source, on_corrupt=job.train.on_corrupt_checkpoint, read_only=True)
+
+
+def _load_own_files(stage: Any, store: CheckpointStore, ckpt: CommittedCheckpoint, rank: int,
+                    reports: StorageLocation) -> dict[str, Any]:
+    """Load ``ckpt`` into this rank's stage and return DeepSpeed's client state. On POSIX in place; on s3/hdfs only
+    the files this rank's load opens (stage.checkpoint_files) are downloaded, into a node-local temp dir removed
+    right after the load, and what was fetched is recorded in ``reports/resume/<step>-rank<R>.json``."""
+    names = sorted(ckpt.manifest["files"])
+    opened, listed = stage.checkpoint_files(names) if ckpt.local_path is None else ([], [])
+    t0 = time.perf_counter()
+    with store.local_copy(ckpt, opened, label=f"resume-rank{rank}") as local:
+        for rel in listed:  # other ranks' files DeepSpeed only counts: empty stand-ins (stage.checkpoint_files)
+            open(os.path.join(local, *rel.split("/")), "wb").close()
+        fetched_bytes = _tree_bytes(local) if ckpt.local_path is None else 0
+        client_state = stage.load(local)
+    if opened:
+        record = {"step": ckpt.step, "rank": rank, "files": opened, "stand_ins": listed,
+                  "fetched_bytes": fetched_bytes,
+                  "checkpoint_bytes": sum(e["size"] for e in ckpt.manifest["files"].values()),
+                  "local_dir": local, "local_dir_removed": not os.path.exists(local),
+                  "seconds": round(time.perf_counter() - t0, 3)}
+        reports.join("resume", f"{step_dir_name(ckpt.step)}-rank{rank}.json").write_atomic(json.dumps(record, indent=1))
+        print(f"[raytrain] rank {rank}: fetched {len(opened)} of {len(names)} checkpoint files "
+              f"({fetched_bytes / 2**20:,.1f} of {record['checkpoint_bytes'] / 2**20:,.1f} MiB) for its stage; "
+              "temp copy removed after the load", flush=True)
+    return client_state
+
+
+def _tree_bytes(directory: str) -> int:
+    """Bytes of the files below ``directory`` (what a local copy occupies on disk, give or take block rounding)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
 
 
 def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, cfg: LoopConfig, metrics: dict[str, Any]) -> None:

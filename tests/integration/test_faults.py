@@ -27,7 +27,7 @@ import pytest
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
 from raytrain.dataset.pack import tokenize_frame
-from raytrain.errors import RaytrainError
+from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.runner import open_run, run_train
 from raytrain.storage import resolve
 
@@ -401,12 +401,28 @@ def _corrupted_copy(reference, runs_root, run_name: str, *extra: str):
     return job, run, latest, _flip_bytes_in_layer_file(latest)
 
 
-def test_corrupt_checkpoint_error_names_the_file(reference, runs_root):
+def _train_run_attempts(since_ns: int) -> list[int]:
+    """Attempts of each Ray Train run started after ``since_ns``, from Ray Train's own state actor."""
+    import ray
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    actor = get_state_actor()
+    runs = ray.get(actor.get_train_runs.remote())
+    attempts = ray.get(actor.get_train_run_attempts.remote())
+    return [len(attempts.get(run_id, {})) for run_id, r in runs.items() if r.start_time_ns >= since_ns]
+
+
+def test_corrupt_checkpoint_error_names_the_file(reference, runs_root, monkeypatch):
+    """With retries allowed (max_failures=2), a corrupt checkpoint still ends the run after its first attempt:
+    every retry would read the same bytes."""
     job, run, latest, rel = _corrupted_copy(reference, runs_root, "corrupt-error", "train.on_corrupt_checkpoint=error")
-    with pytest.raises(Exception) as excinfo:
-        run_train(job)
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # fit() then records its attempts in the state actor
+    since = time.time_ns()
+    with pytest.raises(CorruptCheckpointError) as excinfo:
+        run_train(job, max_failures=2)
     message = str(excinfo.value)
     assert rel in message and "corrupt" in message, message[-2000:]
+    assert _train_run_attempts(since) == [1]
     # nothing was trained or re-committed on top of the bad checkpoint
     assert [c.step for c in CheckpointStore(run.root).committed()] == [MAX_STEPS - 2 * CHECKPOINT_EVERY,
                                                                       MAX_STEPS - CHECKPOINT_EVERY, MAX_STEPS]

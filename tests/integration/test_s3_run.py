@@ -274,6 +274,61 @@ def test_second_launch_resumes_from_s3(resumed, s3):
     assert json.loads(s3.get_object(Bucket=BUCKET, Key=run_prefix + "owner.json")["Body"].read())["user"] == "ci"
 
 
+def test_s3_resume_fetches_each_ranks_own_files_and_frees_them(resumed, s3):
+    """Each rank downloaded only the files its stage loads (its layers, mp_rank model states) into a temp dir
+    gone after the load; the load succeeding from that partial copy (and the weights matching an uninterrupted run,
+    below) shows those files are all DeepSpeed opens."""
+    prefix = "raytrain/ci/demo/s3run/"
+    manifest = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{prefix}checkpoints/step_00000004/manifest.json")
+                          ["Body"].read())
+    files = manifest["files"]
+    records = [json.loads(s3.get_object(Bucket=BUCKET, Key=f"{prefix}reports/resume/step_00000004-rank{rank}.json")
+                          ["Body"].read()) for rank in (0, 1)]
+    layers = [sorted(f for f in r["files"] if "/layer_" in f) for r in records]
+    assert layers[0] and layers[1] and not set(layers[0]) & set(layers[1])
+    assert sorted(layers[0] + layers[1]) == sorted(f for f in files if "/layer_" in f)
+    assert max(layers[0]) < min(layers[1])  # stage 0 holds the first layers
+    for rank, record in enumerate(records):
+        # its own mp_rank model states, and mp_rank_00's too (DeepSpeed reads mp_world_size from the first); the
+        # others only as empty stand-ins (DeepSpeed counts them)
+        mp_files = [f"ds/mp_rank_{r:02d}_model_states.pt" for r in (0, 1)]
+        assert sorted(f for f in record["files"] if "/layer_" not in f) == mp_files[:rank + 1]
+        assert record["stand_ins"] == mp_files[rank + 1:]
+        manifest_bytes = len(json.dumps(manifest, indent=1, sort_keys=True).encode())
+        assert record["fetched_bytes"] == sum(files[f]["size"] for f in record["files"]) + manifest_bytes
+        assert record["checkpoint_bytes"] == sum(e["size"] for e in files.values()) > record["fetched_bytes"]
+        assert record["local_dir_removed"] and not os.path.exists(record["local_dir"])
+        print(f"S3 resume rank {rank}: temp disk {record['fetched_bytes']:,} B of a {record['checkpoint_bytes']:,} B "
+              f"checkpoint ({len(record['files'])} of {len(files)} files), removed after the load")
+    copies = os.path.dirname(records[0]["local_dir"])
+    assert not os.path.exists(copies) or os.listdir(copies) == []
+
+
+def test_export_from_s3_uses_a_removed_temp_copy_and_no_lease_is_left(resumed, s3, tmp_path):
+    """export_latest on the S3 run: the safetensors hold the checkpoint's layer tensors as boto3 reads them; its
+    temp copy and its lease are gone afterwards."""
+    from safetensors.torch import load_file
+
+    from raytrain.pipeline.model import MistralConfig, hf_prefix
+    from raytrain.runner import export_latest
+
+    out = export_latest(resumed["job"], str(tmp_path / "hf"))
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    prefix = "raytrain/ci/demo/s3run/checkpoints/"
+    cfg = MistralConfig.preset(resumed["job"].model.preset)
+    for index in range(cfg.num_pipeline_layers):
+        key = f"{prefix}step_{MAX_STEPS:08d}/ds/layer_{index:02d}-model_states.pt"
+        local = tmp_path / f"layer_{index:02d}.pt"
+        local.write_bytes(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        for name, tensor in torch.load(local, map_location="cpu", weights_only=True).items():
+            assert torch.equal(exported[hf_prefix(index, cfg) + name], tensor), (index, name)
+    # released: no lease object left (pyarrow may keep an empty "leases/" folder marker)
+    assert [k for k in _keys(s3, prefix + "leases/") if not k.endswith("/")] == []
+    assert CheckpointStore(open_run(resumed["job"]).root).leases() == []
+    copies = os.path.join(tempfile.gettempdir(), "raytrain-local-copies")  # the store's default node-local root
+    assert not [f for _, _, fs in os.walk(copies) for f in fs]
+
+
 def test_resumed_s3_run_matches_uninterrupted_posix_run(resumed, s3_run, s3_endpoint, tmp_path_factory):
     """An uninterrupted run on a POSIX root, same packed data (copied down from S3 with pyarrow): same weights."""
     root = tmp_path_factory.mktemp("posix-ref")

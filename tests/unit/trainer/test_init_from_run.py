@@ -67,7 +67,8 @@ def test_new_run_starts_from_another_runs_checkpoint_read_only(world_of_one, tmp
     assert not os.path.exists(leftover)  # bob's own leftovers are cleaned
     tc = job.train
     stage = _Stage(tc.dp, tc.grad_accum_steps)
-    step, metrics = _resume(stage, source, Topology(pp=1, dp=1, stage=0, dp_rank=0, world_rank=0), tc)
+    step, metrics = _resume(stage, source, Topology(pp=1, dp=1, stage=0, dp_rank=0, world_rank=0), tc,
+                            bob.join("reports"))
     assert step == 7 and metrics == {"loss": 1.0 / 7}
     assert stage.loaded == os.path.join(alice.path, "checkpoints", "step_00000007")
     assert _hashes(alice.path) == before  # read only: nothing of alice's changed
