@@ -8,14 +8,13 @@ import json
 import os
 import stat
 import sys
-import threading
 import time
 
 import pyarrow.fs as pafs
 import pytest
+from lock_race import race_for_lock
 
 from raytrain import storage
-from raytrain.errors import RaytrainError
 from raytrain.runlock import LockInfo, LockLostError, RunLock
 from raytrain.storage import resolve
 
@@ -62,22 +61,7 @@ def test_exclusive_create_goes_through_the_namenode(hdfs_run):
 
 def test_hdfs_lock_race_takeover_heartbeat_and_fence(hdfs_run):
     run, namespace = hdfs_run
-    barrier, outcomes = threading.Barrier(6), []
-
-    def contend():
-        lock = RunLock(run, heartbeat_interval_s=None)
-        barrier.wait()
-        try:
-            outcomes.append(lock.acquire().token)
-        except RaytrainError as exc:
-            outcomes.append(f"REFUSED {exc}")
-
-    threads = [threading.Thread(target=contend) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    winners = [o for o in outcomes if not o.startswith("REFUSED")]
+    winners, outcomes = race_for_lock(run, 6)
     assert len(winners) == 1, outcomes
     lock_file = namespace / "runs/alice/p/r/.lock"
     held = LockInfo.from_json(lock_file.read_text())

@@ -3,10 +3,10 @@
 import hashlib
 import json
 import os
-import threading
 import time
 
 import pytest
+from lock_race import race_for_lock
 from loopback_s3 import loopback_s3
 
 from raytrain.checkpoint import store as store_module
@@ -173,23 +173,7 @@ def test_s3_lock_create_race_has_one_winner_in_20_tries(s3, endpoint):
     _, bucket = s3
     for attempt in range(20):
         run = run_root(resolve(f"s3://{bucket}", s3_endpoint=endpoint), "u", "p", f"race{attempt}")
-        barrier = threading.Barrier(8)
-        outcomes: list[str] = []
-
-        def contend(run=run, barrier=barrier, outcomes=outcomes):
-            lock = RunLock(run, heartbeat_interval_s=None)
-            barrier.wait()
-            try:
-                outcomes.append(lock.acquire().token)
-            except RaytrainError as exc:
-                outcomes.append(f"REFUSED {exc}")
-
-        threads = [threading.Thread(target=contend) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        winners = [o for o in outcomes if not o.startswith("REFUSED")]
+        winners, outcomes = race_for_lock(run, 8)
         assert len(winners) == 1, (attempt, outcomes)
         assert json.loads(run.join(".lock").read_text())["token"] == winners[0]
         assert all(f"pid {os.getpid()}" in o for o in outcomes if o.startswith("REFUSED"))

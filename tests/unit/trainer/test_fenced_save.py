@@ -5,7 +5,6 @@ the run over, the old job's save stops before writing anything and B's files sta
 import os
 
 import pytest
-import torch.distributed as dist
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
@@ -13,13 +12,6 @@ from raytrain.runlock import LockInfo, LockLostError, RunLock
 from raytrain.storage import resolve, run_root
 from raytrain.trainer.evaluation import PackedFiles
 from raytrain.trainer.loop import LoopConfig, _save_checkpoint
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _Stage:

@@ -5,21 +5,11 @@ read, this run's own leftovers are cleaned, and once this run has a checkpoint o
 import hashlib
 import os
 
-import pytest
-import torch.distributed as dist
-
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
 from raytrain.storage import resolve, run_root
 from raytrain.trainer.loop import _resume, _resume_source
 from raytrain.trainer.schedule import Topology, data_position
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _Stage:
