@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from deepspeed.pipe import PipelineModule
@@ -120,6 +121,42 @@ def _check_layer_files(tag_dir: Path, cfg: MistralConfig) -> None:
             "gathered into one folder before export.")
 
 
+def _checked_tensors(tag_dir: Path, cfg: MistralConfig, expected: Any, dtype: torch.dtype | None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face key, contiguous tensor) of every pipeline layer file in order, one file in memory at a time;
+    RaytrainError naming the file when its names or shapes are not the model config's."""
+    for layer_index in range(cfg.num_pipeline_layers):
+        path = _layer_file(tag_dir, layer_index)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        want = dict(expected[layer_index].state_dict())
+        if set(state) != set(want):
+            raise RaytrainError(f"{path} holds {sorted(state)}, expected {sorted(want)} for pipeline layer "
+                                f"{layer_index}; was the checkpoint written with a different model config?")
+        for local_name in sorted(state):
+            tensor = state[local_name]
+            if tuple(tensor.shape) != tuple(want[local_name].shape):
+                raise RaytrainError(f"{path}: {local_name} has shape {tuple(tensor.shape)}, expected "
+                                    f"{tuple(want[local_name].shape)}")
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            yield hf_prefix(layer_index, cfg) + local_name, tensor.contiguous()
+        del state
+
+
+def _publish_shards(out_path: Path, shard_paths: list[Path], weight_map: dict[str, int], total_bytes: int) -> None:
+    """Give the written temp shards their Hugging Face names: one ``model.safetensors``, or numbered shards and
+    their index."""
+    if len(shard_paths) == 1:
+        shard_paths[0].rename(out_path / SAFETENSORS_FILE)
+        return
+    names = [f"model-{k + 1:05d}-of-{len(shard_paths):05d}.safetensors" for k in range(len(shard_paths))]
+    for tmp, name in zip(shard_paths, names, strict=True):
+        tmp.rename(out_path / name)
+    index = {"metadata": {"total_size": total_bytes},
+             "weight_map": {key: names[k] for key, k in sorted(weight_map.items())}}
+    (out_path / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
 def export_to_hf(ds_checkpoint_tag_dir: str | os.PathLike, cfg: MistralConfig, out_dir: str | os.PathLike, *,
                  dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
                  tokenizer: str | None = None) -> Path:
@@ -156,41 +193,16 @@ def export_to_hf(ds_checkpoint_tag_dir: str | os.PathLike, cfg: MistralConfig, o
             shard_paths.append(path)
             shard, shard_bytes = {}, 0
 
-    for layer_index in range(cfg.num_pipeline_layers):
-        path = _layer_file(tag_dir, layer_index)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        want = dict(expected[layer_index].state_dict())
-        if set(state) != set(want):
-            raise RaytrainError(f"{path} holds {sorted(state)}, expected {sorted(want)} for pipeline layer "
-                                f"{layer_index}; was the checkpoint written with a different model config?")
-        for local_name in sorted(state):
-            tensor = state[local_name]
-            if tuple(tensor.shape) != tuple(want[local_name].shape):
-                raise RaytrainError(f"{path}: {local_name} has shape {tuple(tensor.shape)}, expected "
-                                    f"{tuple(want[local_name].shape)}")
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            tensor = tensor.contiguous()
-            num_bytes = tensor.numel() * tensor.element_size()
-            if shard and shard_bytes + num_bytes > max_shard_bytes:
-                flush()
-            hf_key = hf_prefix(layer_index, cfg) + local_name
-            shard[hf_key] = tensor
-            weight_map[hf_key] = len(shard_paths)
-            shard_bytes += num_bytes
-            total_bytes += num_bytes
-        del state
+    for hf_key, tensor in _checked_tensors(tag_dir, cfg, expected, dtype):
+        num_bytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + num_bytes > max_shard_bytes:
+            flush()
+        shard[hf_key] = tensor
+        weight_map[hf_key] = len(shard_paths)
+        shard_bytes += num_bytes
+        total_bytes += num_bytes
     flush()
-
-    if len(shard_paths) == 1:
-        shard_paths[0].rename(out_path / SAFETENSORS_FILE)
-    else:
-        names = [f"model-{k + 1:05d}-of-{len(shard_paths):05d}.safetensors" for k in range(len(shard_paths))]
-        for tmp, name in zip(shard_paths, names, strict=True):
-            tmp.rename(out_path / name)
-        index = {"metadata": {"total_size": total_bytes},
-                 "weight_map": {key: names[k] for key, k in sorted(weight_map.items())}}
-        (out_path / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2))
+    _publish_shards(out_path, shard_paths, weight_map, total_bytes)
 
     from transformers import GenerationConfig  # heavy import, only needed here
 
