@@ -9,7 +9,10 @@ Credentials are never passed in: each process takes them from the standard AWS c
 from __future__ import annotations
 
 import functools
+import io
 import os
+import random
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -89,6 +92,74 @@ def s3_filesystem(endpoint: str | None, region: str | None, settings: S3RetrySet
         return RetryingS3FileSystem(settings)
     split = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
     return RetryingS3FileSystem(settings, endpoint_override=split.netloc, scheme=split.scheme, region=region)
+
+
+# ---- reads that survive an error answer longer than the range read -------------------------------------------
+# pyarrow hands the AWS SDK a buffer of exactly the bytes it asked for. When S3 answers a GET with an error instead
+# (503 SlowDown, ~250 bytes of XML) and the range is shorter than that body, the body overflows the buffer and the
+# SDK reports "Failed to flush response stream" as INTERNAL_FAILURE, which its retry strategy never retries: a
+# throttled read of any small object (the `latest` pointer, owner.json, a lock) or of a file's short last chunk
+# ended the caller. Measured against tests/loopback_s3.FaultProxy: 1 SlowDown on a 3- or 100-byte object failed
+# at once; on 200 bytes and up the SDK retried it.
+MISREAD = "Failed to flush response stream"
+
+
+def read_range(f: Any, nbytes: int, position: int, settings: S3RetrySettings) -> bytes:
+    """``f.read_at(nbytes, position)`` on a pyarrow S3 file, retried with exponential backoff and jitter (up to
+    ``settings.max_attempts`` attempts) when the SDK reports the unretried overflow above."""
+    for attempt in range(1, settings.max_attempts + 1):
+        try:
+            return f.read_at(nbytes, position)
+        except OSError as exc:
+            if MISREAD not in str(exc) or attempt == settings.max_attempts:
+                raise
+            time.sleep(random.uniform(0, min(20.0, 0.05 * 2**attempt)))
+    raise AssertionError("unreachable")
+
+
+class RangeReader(io.RawIOBase):
+    """A seekable reader over a pyarrow S3 file whose reads go through ``read_range``. Wrap it in
+    ``io.BufferedReader`` for small reads; reads larger than the buffer go to S3 as one ranged GET each."""
+
+    def __init__(self, f: Any, settings: S3RetrySettings) -> None:
+        super().__init__()
+        self._f, self._settings = f, settings
+        self._size, self._pos = f.size(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._read(len(buffer))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:
+        return self._read(self._size - self._pos)
+
+    def _read(self, n: int) -> bytes:
+        n = min(n, self._size - self._pos)
+        if n <= 0:
+            return b""
+        data = read_range(self._f, n, self._pos, self._settings)
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
 
 
 def s3_client_config() -> Any:

@@ -163,8 +163,13 @@ class StorageLocation:
         return {i.path[len(prefix) :]: int(i.size) for i in infos if i.type == pafs.FileType.File}
 
     def open_input(self, text: bool = False) -> IO[Any]:
-        """Open the file here for reading (bytes, or UTF-8 text when `text`)."""
-        stream = self.filesystem.open_input_stream(self.path)
+        """Open the file here for reading (bytes, or UTF-8 text when `text`). On S3 every read is retried also when
+        the SDK would not (``raytrain.s3.read_range``)."""
+        if self.scheme == "s3":
+            raw = s3.RangeReader(self.filesystem.open_input_file(self.path), s3.s3_retry_settings())
+            stream: Any = io.BufferedReader(raw, buffer_size=_S3_READ_BUFFER)
+        else:
+            stream = self.filesystem.open_input_stream(self.path)
         return io.TextIOWrapper(stream, encoding="utf-8") if text else stream
 
     def open_output(self, text: bool = False) -> IO[Any]:
@@ -412,6 +417,10 @@ def secure_run_dir(loc: StorageLocation, group: str = "") -> None:
 # ---- internals ---------------------------------------------------------------------------------------------
 def _replace_path(loc: StorageLocation, path: str) -> StorageLocation:
     return StorageLocation(scheme=loc.scheme, path=path, authority=loc.authority, s3_endpoint=loc.s3_endpoint)
+
+
+_S3_READ_BUFFER = 1 << 20
+"""Bytes read ahead per S3 GET for small reads through ``open_input`` (larger reads go as one GET each)."""
 
 
 def _reject_dotdot(uri: str, path: str) -> None:

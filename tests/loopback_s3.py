@@ -37,8 +37,9 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 class FaultProxy:
     """An HTTP reverse proxy on 127.0.0.1 in front of an S3 endpoint: passes requests through, except that the
-    next ``fail_next(n)`` requests are answered 503 SlowDown as S3 throttling does, and the next ``stall_next(n)``
-    are held unanswered for ``stall_s`` seconds (a server that stopped sending). Counts what it did."""
+    next ``fail_next(n)`` requests, and after ``fail_every(n)`` every n-th request, are answered 503 SlowDown as S3
+    throttling does, and the next ``stall_next(n)`` are held unanswered for ``stall_s`` seconds (a server that
+    stopped sending). Counts what it did."""
 
     def __init__(self, upstream: str) -> None:
         import http.server
@@ -48,6 +49,9 @@ class FaultProxy:
         self.upstream = urlsplit(upstream).netloc
         self.to_fail = 0
         self.to_stall = 0
+        self.fail_method: str | None = None
+        self.every = 0
+        self.seen = 0
         self.stall_s = 5.0
         self.failed = 0
         self.stalled = 0
@@ -72,9 +76,15 @@ class FaultProxy:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def fail_next(self, n: int) -> None:
+    def fail_next(self, n: int, method: str | None = None) -> None:
+        """Answer the next n requests (of `method` only, when given) 503 SlowDown."""
         with self.lock:
-            self.to_fail = n
+            self.to_fail, self.fail_method = n, method
+
+    def fail_every(self, n: int) -> None:
+        """Answer every n-th request from now on 503 SlowDown (0: none), a steady share of throttled requests."""
+        with self.lock:
+            self.every, self.seen = n, 0
 
     def stall_next(self, n: int, seconds: float) -> None:
         with self.lock:
@@ -90,8 +100,12 @@ class FaultProxy:
 
         body = _read_body(req)
         with self.lock:
-            fail, stall = self.to_fail > 0, self.to_fail <= 0 and self.to_stall > 0
+            self.seen += 1
+            fail = self.to_fail > 0 and self.fail_method in (None, req.command)
+            stall = not fail and self.to_stall > 0
             self.to_fail -= fail
+            if self.every and not fail and not stall and self.seen % self.every == 0:
+                fail = True
             self.to_stall -= stall
             self.failed += fail
             self.stalled += stall

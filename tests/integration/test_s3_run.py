@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from loopback_s3 import AWS_VARS, loopback_s3
+from loopback_s3 import AWS_VARS, fault_proxy, loopback_s3
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
@@ -243,20 +243,26 @@ def test_first_launch_commits_checkpoints_to_s3(s3_run, s3):
 
 @pytest.fixture(scope="module")
 def resumed(s3_run, s3_endpoint):
-    """Second launch of the same run name without stop_at_step: resumes from S3 and finishes MAX_STEPS."""
+    """Second launch of the same run name without stop_at_step: resumes from S3 and finishes MAX_STEPS, through a
+    proxy that answers 503 SlowDown (S3 throttling) to the launch's first 5 requests and then to every 7th request
+    while it runs: the driver's, Ray Data's and the trainer workers' S3 clients all retry."""
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     prefix = "raytrain/ci/demo/s3run/checkpoints/"
     before = {step: client.get_object(Bucket=BUCKET, Key=f"{prefix}step_{step:08d}/manifest.json")["Body"].read()
               for step in (2, 4)}
     job = _job(f"s3://{BUCKET}/raytrain", "s3run", s3_endpoint)
-    with console_to(s3_run["console"]):
-        summary = run_train(job)
-    return {"job": job, "summary": summary, "manifests_before": before}
+    with fault_proxy(s3_endpoint) as proxy, console_to(s3_run["console"]):
+        proxy.fail_next(5)
+        proxy.fail_every(7)
+        summary = run_train(_job(f"s3://{BUCKET}/raytrain", "s3run", proxy.url))
+        throttled = proxy.failed
+    return {"job": job, "summary": summary, "manifests_before": before, "throttled": throttled}
 
 
 def test_second_launch_resumes_from_s3(resumed, s3):
     prefix = "raytrain/ci/demo/s3run/checkpoints/"
     assert resumed["summary"]["final"]["step"] == MAX_STEPS
+    assert resumed["throttled"] >= 10  # SlowDowns answered during the launch, every one retried
     assert s3.get_object(Bucket=BUCKET, Key=prefix + "latest")["Body"].read().decode().strip() == "step_00000006"
     # resumed, not restarted: the checkpoints of the first launch were never re-committed (byte-identical manifests)
     for step, data in resumed["manifests_before"].items():
