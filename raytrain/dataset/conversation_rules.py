@@ -38,16 +38,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from raytrain.dataset.reasons import Reason
 from raytrain.errors import RaytrainError
 
 ROLES = ("system", "user", "assistant", "tool")
 """The message roles of the dataset (and of the conversations the tokenizer takes)."""
 
-# Quarantine reasons these rules give (raytrain.enrich.conversation.QUARANTINE_REASONS lists them all).
-MISSING_MESSAGES = "missing_messages"
-BAD_ROLE = "bad_role"
-UNDECODABLE_TEXT = "undecodable_text"
-EMPTY_ANSWER = "empty_answer"
+# Quarantine reasons these rules give (raytrain.dataset.reasons lists them all).
+MISSING_MESSAGES = Reason.MISSING_MESSAGES
+BAD_ROLE = Reason.BAD_ROLE
+UNDECODABLE_TEXT = Reason.UNDECODABLE_TEXT
+EMPTY_ANSWER = Reason.EMPTY_ANSWER
 
 
 class ConversationError(RaytrainError):

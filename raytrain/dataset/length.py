@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raytrain.dataset.reasons import Reason
 from raytrain.errors import RaytrainError
 
 KEEP, DROP, TRUNCATE, SPLIT = "keep", "drop", "truncate", "split"
-TOO_MANY_TOKENS = "too_many_tokens"
+TOO_MANY_TOKENS = Reason.TOO_MANY_TOKENS
 """Quarantine reason of a conversation the policy drops."""
 
 

@@ -17,22 +17,19 @@ from typing import Any
 
 from raytrain.dataset.conversation_rules import (
     BAD_ROLE,
-    EMPTY_ANSWER,
     MISSING_MESSAGES,
     UNDECODABLE_TEXT,
     ConversationError,
     check_conversation,
     check_roles,
 )
+from raytrain.dataset.reasons import DERIVE_REASONS, Reason
 
-# Quarantine reasons: a fixed vocabulary so reports can count them (the conversation rules' own four are
-# defined with the rules, in raytrain.dataset.conversation_rules).
-MISSING_UUID = "missing_uuid"
-TOO_LONG = "too_long"
-TOO_MANY_TURNS = "too_many_turns"
-QUARANTINE_REASONS: tuple[str, ...] = (
-    MISSING_UUID, MISSING_MESSAGES, BAD_ROLE, UNDECODABLE_TEXT, EMPTY_ANSWER, TOO_LONG, TOO_MANY_TURNS,
-)
+# Quarantine reasons deriving a conversation gives (raytrain.dataset.reasons lists them all, so reports count them).
+MISSING_UUID = Reason.MISSING_UUID
+TOO_LONG = Reason.TOO_LONG
+TOO_MANY_TURNS = Reason.TOO_MANY_TURNS
+QUARANTINE_REASONS: tuple[str, ...] = DERIVE_REASONS
 
 # Matches EnrichConfig.max_chars: a guard against pathological rows, far above real ones (~40-48 KB).
 DEFAULT_MAX_CHARS = 1_000_000

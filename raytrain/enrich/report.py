@@ -9,15 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain.config import JobConfig
+from raytrain.dataset.reasons import STEP_REASONS, Reason
 from raytrain.enrich.plan import EnrichPlan
 from raytrain.storage import MANIFEST, StorageLocation
 
-STEP_REASONS_AFTER_DERIVE = ("license", "exact_duplicate", "near_duplicate", "contaminated", "untokenizable",
-                             "too_many_tokens")
-"""The quarantine reasons after derive's (conversation.QUARANTINE_REASONS), in the order the steps decide them."""
-_STEPS = (("license", ("license",)), ("exact_dedup", ("exact_duplicate",)), ("near_dedup", ("near_duplicate",)),
-          ("decontaminate", ("contaminated",)), ("select_context", ()), ("corpus_context", ()),
-          ("tokenize_check", ("untokenizable", "too_many_tokens")))
+STEP_REASONS_AFTER_DERIVE = STEP_REASONS
+"""The quarantine reasons after derive's, in the order the steps decide them."""
+_STEPS = (("license", (Reason.LICENSE,)), ("exact_dedup", (Reason.EXACT_DUPLICATE,)),
+          ("near_dedup", (Reason.NEAR_DUPLICATE,)), ("decontaminate", (Reason.CONTAMINATED,)),
+          ("select_context", ()), ("corpus_context", ()),
+          ("tokenize_check", (Reason.UNTOKENIZABLE, Reason.TOO_MANY_TOKENS)))
 
 
 @dataclass

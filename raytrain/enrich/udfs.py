@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from raytrain.dataset.reasons import Reason
 from raytrain.enrich.context import (
     answer_for_scoring,
     candidate_sentences,
@@ -38,13 +39,12 @@ OK = "ok"
 GUARD_REASON = "guard_reason"
 GUARD_DETAIL = "guard_detail"
 """The columns raytrain.enrich.row_guard adds (named here too: this module imports no pyspark)."""
-# Quarantine reasons decided here and in steps.py (conversation.QUARANTINE_REASONS are the derive ones,
-# raytrain.dataset.length.TOO_MANY_TOKENS the length policy's).
-LICENSE = "license"
-EXACT_DUPLICATE = "exact_duplicate"
-NEAR_DUPLICATE = "near_duplicate"
-CONTAMINATED = "contaminated"
-UNTOKENIZABLE = "untokenizable"
+# Quarantine reasons decided here and in steps.py (raytrain.dataset.reasons lists them all).
+LICENSE = Reason.LICENSE
+EXACT_DUPLICATE = Reason.EXACT_DUPLICATE
+NEAR_DUPLICATE = Reason.NEAR_DUPLICATE
+CONTAMINATED = Reason.CONTAMINATED
+UNTOKENIZABLE = Reason.UNTOKENIZABLE
 
 ROW = pa.schema([("row_id", pa.int64()), ("split", pa.string()), ("uuid", pa.string()), ("category", pa.string()),
                  ("license", pa.string()), ("reasoning", pa.string()), ("status", pa.string()),

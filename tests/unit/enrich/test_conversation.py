@@ -6,15 +6,9 @@ import pyarrow as pa
 import pytest
 
 from raytrain.dataset.conversation_rules import ConversationError, check_conversation
+from raytrain.dataset.reasons import Reason
 from raytrain.enrich.conversation import (
-    BAD_ROLE,
-    EMPTY_ANSWER,
-    MISSING_MESSAGES,
-    MISSING_UUID,
     QUARANTINE_REASONS,
-    TOO_LONG,
-    TOO_MANY_TURNS,
-    UNDECODABLE_TEXT,
     Example,
     Quarantined,
     derive_example,
@@ -78,26 +72,26 @@ def test_rows_from_pandas_numpy_arrays_give_the_same_example():
 @pytest.mark.parametrize(
     ("row", "reason"),
     [
-        ({"uuid": None, "messages": [_m("user", "q"), _m("assistant", "a")]}, MISSING_UUID),
-        ({"uuid": "  ", "messages": [_m("user", "q"), _m("assistant", "a")]}, MISSING_UUID),
-        (_row(None), MISSING_MESSAGES),
-        (_row([]), MISSING_MESSAGES),
-        (_row([_m("user", "q"), _m("narrator", "a")]), BAD_ROLE),
-        (_row([_m("assistant", "a"), _m("user", "q")]), BAD_ROLE),
-        (_row([_m("user", "q"), _m("tool", "x"), _m("assistant", "a")]), BAD_ROLE),
-        (_row([_m("user", "q"), _m("system", "late"), _m("assistant", "a")]), BAD_ROLE),
-        (_row(["not a dict"]), BAD_ROLE),
-        (_row([_m("user", "q\ufffd"), _m("assistant", "a")]), UNDECODABLE_TEXT),
-        (_row([_m("user", "q"), _m("assistant", "a\x00b")]), UNDECODABLE_TEXT),
-        (_row([_m("user", "q\ud800"), _m("assistant", "a")]), UNDECODABLE_TEXT),
-        (_row([_m("user", b"\xff\xfe"), _m("assistant", "a")]), UNDECODABLE_TEXT),
-        (_row([_m("user", "q"), _m("assistant", 42)]), UNDECODABLE_TEXT),
-        (_row([_m("user", "q"), _m("assistant", " \n ")]), EMPTY_ANSWER),
-        (_row([_m("user", "q")]), EMPTY_ANSWER),
-        (_row([_m("user", "q"), _m("assistant", "", [CALL]), _m("tool", "x")]), EMPTY_ANSWER),
-        (_row([_m("user", "q"), _m("assistant", "a" * 101)]), TOO_LONG),
-        (_row([_m("user", "q"), _m("assistant", "a")] * 501), TOO_MANY_TURNS),  # 1,002 turns; before too_long
-        (_row([_m("user", "q"), _m("narrator", "a")] * 501), TOO_MANY_TURNS),  # counted before any message is read
+        ({"uuid": None, "messages": [_m("user", "q"), _m("assistant", "a")]}, Reason.MISSING_UUID),
+        ({"uuid": "  ", "messages": [_m("user", "q"), _m("assistant", "a")]}, Reason.MISSING_UUID),
+        (_row(None), Reason.MISSING_MESSAGES),
+        (_row([]), Reason.MISSING_MESSAGES),
+        (_row([_m("user", "q"), _m("narrator", "a")]), Reason.BAD_ROLE),
+        (_row([_m("assistant", "a"), _m("user", "q")]), Reason.BAD_ROLE),
+        (_row([_m("user", "q"), _m("tool", "x"), _m("assistant", "a")]), Reason.BAD_ROLE),
+        (_row([_m("user", "q"), _m("system", "late"), _m("assistant", "a")]), Reason.BAD_ROLE),
+        (_row(["not a dict"]), Reason.BAD_ROLE),
+        (_row([_m("user", "q\ufffd"), _m("assistant", "a")]), Reason.UNDECODABLE_TEXT),
+        (_row([_m("user", "q"), _m("assistant", "a\x00b")]), Reason.UNDECODABLE_TEXT),
+        (_row([_m("user", "q\ud800"), _m("assistant", "a")]), Reason.UNDECODABLE_TEXT),
+        (_row([_m("user", b"\xff\xfe"), _m("assistant", "a")]), Reason.UNDECODABLE_TEXT),
+        (_row([_m("user", "q"), _m("assistant", 42)]), Reason.UNDECODABLE_TEXT),
+        (_row([_m("user", "q"), _m("assistant", " \n ")]), Reason.EMPTY_ANSWER),
+        (_row([_m("user", "q")]), Reason.EMPTY_ANSWER),
+        (_row([_m("user", "q"), _m("assistant", "", [CALL]), _m("tool", "x")]), Reason.EMPTY_ANSWER),
+        (_row([_m("user", "q"), _m("assistant", "a" * 101)]), Reason.TOO_LONG),
+        (_row([_m("user", "q"), _m("assistant", "a")] * 501), Reason.TOO_MANY_TURNS),  # 1,002 turns; before too_long
+        (_row([_m("user", "q"), _m("narrator", "a")] * 501), Reason.TOO_MANY_TURNS),  # counted before any message is read
     ],
 )
 def test_quarantine_reasons(row, reason):
@@ -113,14 +107,14 @@ def test_conversation_rules_quarantine_with_their_reason_and_message():
     with pytest.raises(ConversationError) as caught:
         check_conversation(messages)
     out = derive_example(_row(messages))
-    assert out == Quarantined("u-1", BAD_ROLE, str(caught.value))
+    assert out == Quarantined("u-1", Reason.BAD_ROLE, str(caught.value))
     assert out.detail.startswith("message 1 (role 'user'): only assistant messages may carry tool_calls")
 
 
 def test_roles_are_checked_before_text():
     # a row with an unknown role and undecodable text is a bad_role: the structure is the root cause
     out = derive_example(_row([_m("user", "q\ufffd"), _m("narrator", "a")]))
-    assert (out.reason, out.detail.split(":")[0]) == (BAD_ROLE, "message 1 (role 'narrator')")
+    assert (out.reason, out.detail.split(":")[0]) == (Reason.BAD_ROLE, "message 1 (role 'narrator')")
 
 
 def test_tabs_newlines_and_exact_max_chars_are_fine():
@@ -139,4 +133,4 @@ def test_too_many_turns_at_the_limit():
     turns = [_m("user", "q"), _m("assistant", "a")] * 2
     assert isinstance(derive_example(_row(turns), max_turns=4), Example)
     out = derive_example(_row([*turns, _m("user", "q")]), max_turns=4)
-    assert out == Quarantined("u-1", TOO_MANY_TURNS, "5 messages > 4 (the most a conversation may hold)")
+    assert out == Quarantined("u-1", Reason.TOO_MANY_TURNS, "5 messages > 4 (the most a conversation may hold)")

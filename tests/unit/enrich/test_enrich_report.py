@@ -100,3 +100,18 @@ def test_summary_text_corpus_section():
         assert needle in text, needle
     corpus.update(reused=True, sentences_embedded_this_run=0, method="exact", recall=None)
     assert "reused (0 sentences embedded" in summary_text(report) and "search exact" in summary_text(report)
+
+
+def test_every_quarantine_reason_is_counted_by_exactly_one_step():
+    """One vocabulary: each step reason belongs to one step of the report, in the steps' order, and the rest are
+    derive's; a row quarantined for any reason lands in one step's count and the totals add up."""
+    from raytrain.dataset.reasons import DERIVE_REASONS, STEP_REASONS, Reason
+    from raytrain.enrich.report import _STEPS
+
+    owned = [r for _, reasons in _STEPS for r in reasons]
+    assert owned == list(STEP_REASONS) and set(DERIVE_REASONS) | set(STEP_REASONS) == set(Reason)
+    per_reason = {str(r): i + 1 for i, r in enumerate(Reason)}  # as read back from the quarantine files
+    steps = step_counts(1000, per_reason, corpus=True)
+    counted = [r for s in steps for r, n in s.quarantined.items() for _ in range(n)]
+    assert sorted(counted) == sorted(r for r, n in per_reason.items() for _ in range(n))
+    assert steps[-1].rows_out == 1000 - sum(per_reason.values())
