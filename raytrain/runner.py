@@ -80,21 +80,8 @@ def connect_ray(job: JobConfig) -> bool:
     if ray.is_initialized():
         return False
     address = job.ray.address or os.environ.get("RAY_ADDRESS", "")
-    # Inside `ray job submit` the job's own runtime_env is merged with ours, and Ray refuses a merge where both set
-    # the same env var: add only the variables the job did not set.
-    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
-    job_env = (job_config.get("runtime_env") or {}).get("env_vars") or {}
-    worker_env = dict(WORKER_ENV)
-    # Workers on other nodes do not inherit this process's environment: forward the S3 settings it was given
-    # (endpoint, region, profile name; never keys, see FORWARDED_ENV).
-    worker_env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})
-    runtime_env: dict[str, Any] = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
-    if "worker_process_setup_hook" not in (job_config.get("runtime_env") or {}):
-        # every worker (trainer, Ray Data tasks) creates run files 0640: a node's own umask may be 022
-        runtime_env["worker_process_setup_hook"] = WORKER_SETUP_HOOK
+    runtime_env = job_runtime_env()
     if framework_output_captured():
-        # Ray Data's progress bars (driver and the trainer workers' reads) would be carriage-return noise in the log
-        runtime_env["env_vars"].setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     login = ""
     if address:
@@ -113,6 +100,27 @@ def connect_ray(job: JobConfig) -> bool:
     if DASHBOARD_URL:
         log.info("Ray dashboard: %s%s", DASHBOARD_URL, login)
     return True
+
+
+def job_runtime_env() -> dict[str, Any]:
+    """The runtime_env connect_ray gives the job, from this process's environment: WORKER_ENV, the S3 settings it
+    was given (FORWARDED_ENV: endpoint, region, profile name; never keys, since Ray logs runtime_env on every node
+    and serves it from the dashboard) and the worker setup hook that makes run files 0640."""
+    # Inside `ray job submit` the job's own runtime_env is merged with ours, and Ray refuses a merge where both set
+    # the same env var: add only the variables the job did not set.
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
+    job_env = (job_config.get("runtime_env") or {}).get("env_vars") or {}
+    worker_env = dict(WORKER_ENV)
+    # Workers on other nodes do not inherit this process's environment: forward the S3 settings it was given.
+    worker_env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})
+    runtime_env: dict[str, Any] = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
+    if "worker_process_setup_hook" not in (job_config.get("runtime_env") or {}):
+        # every worker (trainer, Ray Data tasks) creates run files 0640: a node's own umask may be 022
+        runtime_env["worker_process_setup_hook"] = WORKER_SETUP_HOOK
+    if framework_output_captured():
+        # Ray Data's progress bars (driver and the trainer workers' reads) would be carriage-return noise in the log
+        runtime_env["env_vars"].setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    return runtime_env
 
 
 DASHBOARD_URL = ""
@@ -248,7 +256,8 @@ def run_enrich_and_pack(run: Run):
         return packed
     input_root = stage_input(run)
     eval_sets = eval_set_paths(run, input_root)
-    result = run_enrich(run.job, input_root, run.root, eval_sets=eval_sets)
+    plan = _PLANS.pop((run.root.uri, run.job.config_hash()), None)  # preflight's, when it could plan
+    result = run_enrich(run.job, input_root, run.root, eval_sets=eval_sets, plan=plan)
     write_report(run, "enrich_report.json", result.report)
     # the eval sets' question/answer items also give the benchmark loss (raytrain.dataset.stream)
     return pack_enriched(result.enriched, packed_loc, run.job.dataset, run.data_hash,
@@ -408,24 +417,47 @@ def _preflight(run: Run) -> None:
     from raytrain.dataset.stream import load_packed
 
     if load_packed(run.root.join("data", "packed"), run.data_hash) is None:
+        _plan_enrichment_early(run)
+        find_java()  # Spark will run: fail now, not inside RayDP, when there is no Java
+
+
+_PLANS: dict[tuple[str, str], Any] = {}
+"""The enrichment plan preflight made, per (run, config hash), for run_enrich_and_pack to use instead of
+discovering, validating and hashing the inputs a second time."""
+
+
+def _plan_enrichment_early(run: Run) -> None:
+    """Layout, splits and every file's schema from the footers, the eval sets and the corpus files: seconds, before
+    Ray or Spark start. What 'sample' names is written later, with the sample; those inputs are planned then."""
+    job = run.job
+    from_sample = job.data.input_path == "sample" or "sample" in job.enrich.context_corpus
+    if from_sample:
         if job.data.input_path != "sample":
-            # Layout, splits and every file's schema from the footers: seconds, before Ray or Spark start.
             from raytrain.enrich.inputs import discover_inputs, validate_inputs
 
             inputs = discover_inputs(resolve(job.data.input_path, s3_endpoint=job.storage.s3_endpoint or None),
                                      job.data.splits)
             footers = validate_inputs(inputs)
-            for line in inputs.describe():
-                log.info("%s", line)
             log.info("inputs: %s", ", ".join(f"{k} {v['rows']} rows" for k, v in footers.items()))
-        corpus = [c for c in job.enrich.context_corpus if c != "sample"]  # 'sample' is written with the sample
-        if corpus:  # files, fields, emptiness: before Ray or Spark start
+        corpus = [c for c in job.enrich.context_corpus if c != "sample"]
+        if corpus:  # files, fields, emptiness
             from raytrain.enrich.corpus import check_corpus
 
             files = check_corpus(corpus, job.enrich.corpus_id_field, job.enrich.corpus_text_field,
                                  s3_endpoint=job.storage.s3_endpoint or None)
             log.info("context corpus: %d file(s), %d records", len(files), sum(f.records for f in files))
-        find_java()  # Spark will run: fail now, not inside RayDP, when there is no Java
+        return
+    from raytrain.enrich.plan import plan_enrichment
+
+    input_root = resolve(job.data.input_path, s3_endpoint=job.storage.s3_endpoint or None)
+    plan = plan_enrichment(job, input_root, eval_set_paths(run, input_root))
+    for line in plan.inputs.describe():
+        log.info("%s", line)
+    log.info("inputs: %s", ", ".join(f"{k} {v['rows']} rows" for k, v in plan.footers.items()))
+    if plan.corpus_files:
+        log.info("context corpus: %d file(s), %d records", len(plan.corpus_files),
+                 sum(f.records for f in plan.corpus_files))
+    _PLANS[(run.root.uri, job.config_hash())] = plan
 
 
 def _check_model_fits_tokenizer(job: JobConfig) -> None:

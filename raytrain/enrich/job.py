@@ -231,13 +231,14 @@ def _footer_rows(loc: StorageLocation) -> tuple[list[str], int]:
 
 
 def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
-               eval_sets: tuple[str, ...] | None = None) -> EnrichResult:
-    """Start Spark on the running Ray cluster, enrich, stop Spark; returns where the outputs are and the report."""
+               eval_sets: tuple[str, ...] | None = None, plan: EnrichPlan | None = None) -> EnrichResult:
+    """Start Spark on the running Ray cluster, enrich, stop Spark; returns where the outputs are and the report.
+    ``plan``: ``plan_enrichment(job, input_root, eval_sets)`` when the caller made it already."""
     from raytrain.enrich.jars import spark_jar_configs
     from raytrain.enrich.spark import spark_conf, spark_session
 
     # Fail on bad inputs (and missing s3a jars) in seconds, before a JVM starts.
-    plan = plan_enrichment(job, input_root, eval_sets)
+    plan = plan or plan_enrichment(job, input_root, eval_sets)
     corpus_locs = [f.loc for f in plan.corpus_files or []]
     configs = spark_conf(input_root) | spark_conf(run_root)
     for loc in corpus_locs:

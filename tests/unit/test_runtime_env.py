@@ -1,0 +1,38 @@
+"""The runtime_env a job gives Ray: on a cluster, workers do not inherit the driver's environment, so the S3 endpoint
+and region travel in it; the keys never do (Ray logs runtime_env on every node and serves it from the dashboard;
+workers take keys from their own node's AWS chain). The real cluster's logs, dashboard and `ps` are searched for the
+keys in tests/integration/test_s3_run.py."""
+
+import json
+import secrets
+
+from raytrain.runner import WORKER_SETUP_HOOK, job_runtime_env
+
+CANARY = {"AWS_ACCESS_KEY_ID": f"AKIACANARY{secrets.token_hex(5).upper()}",
+          "AWS_SECRET_ACCESS_KEY": f"canary-secret-{secrets.token_hex(12)}",
+          "AWS_SESSION_TOKEN": f"canary-session-{secrets.token_hex(12)}"}
+
+
+def test_s3_settings_travel_but_no_credentials(monkeypatch):
+    for k, v in CANARY.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    runtime_env = job_runtime_env()
+    env_vars = runtime_env["env_vars"]
+    assert {k: env_vars.get(k) for k in ("AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3")} == {
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9"}
+    assert not set(CANARY) & set(env_vars)
+    assert not [v for v in CANARY.values() if v in json.dumps(runtime_env)]
+    assert runtime_env["worker_process_setup_hook"] == WORKER_SETUP_HOOK
+
+
+def test_inside_ray_job_submit_the_jobs_own_settings_win(monkeypatch):
+    """Ray refuses to merge two runtime_envs that set the same variable: what `ray job submit` set is left out."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {
+        "env_vars": {"AWS_ENDPOINT_URL_S3": "http://s3.internal"}, "worker_process_setup_hook": "mine.hook"}}))
+    runtime_env = job_runtime_env()
+    assert "AWS_ENDPOINT_URL_S3" not in runtime_env["env_vars"]
+    assert "worker_process_setup_hook" not in runtime_env
