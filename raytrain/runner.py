@@ -18,7 +18,15 @@ from raytrain.config import JobConfig
 from raytrain.console import framework_output_captured, hook_worker_output
 from raytrain.errors import ConfigError, CorruptCheckpointError, RaytrainError
 from raytrain.redact import redact, redact_tree
-from raytrain.storage import StorageLocation, apply_run_umask, resolve, run_root, secure_run_dir, submitting_user
+from raytrain.storage import (
+    RunPaths,
+    StorageLocation,
+    apply_run_umask,
+    resolve,
+    run_root,
+    secure_run_dir,
+    submitting_user,
+)
 
 if TYPE_CHECKING:
     from raytrain.runlock import Fence
@@ -48,6 +56,10 @@ class Run:
     """The submitting user this job acts for (raytrain.storage.submitting_user): the run's owner."""
     fence: Fence | None = None
     """The run lock's token and generation while _with_run holds it: every write to the run checks it."""
+
+    @property
+    def paths(self) -> RunPaths:
+        return RunPaths(self.root)
 
     @property
     def data_hash(self) -> str:
@@ -196,7 +208,7 @@ def stage_input(run: Run) -> StorageLocation:
         return resolve(run.job.data.input_path, s3_endpoint=run.job.storage.s3_endpoint or None)
     from raytrain.sample_data import write_sample_dataset
 
-    target = run.root.join("data", "sample")
+    target = run.paths.sample
     if target.join("_SUCCESS").exists():
         return target
     if target.is_posix:
@@ -239,7 +251,7 @@ def write_report(run: Run, name: str, report: dict[str, Any]) -> StorageLocation
         from raytrain.runlock import check_fence
 
         check_fence(run.root, run.fence, f"write reports/{name}")
-    loc = run.root.join("reports", name)
+    loc = run.paths.reports.join(name)
     loc.parent.mkdirs()
     loc.write_atomic(json.dumps(redact_tree(report), indent=2, sort_keys=True, default=str))
     return loc
@@ -250,7 +262,7 @@ def run_enrich_and_pack(run: Run):
     from raytrain.dataset.stream import load_packed, pack_enriched
     from raytrain.enrich.job import run_enrich
 
-    packed_loc = run.root.join("data", "packed")
+    packed_loc = run.paths.packed
     packed = load_packed(packed_loc, run.data_hash)
     if packed is not None:
         return packed
@@ -272,7 +284,7 @@ def command_log(job: JobConfig, command: str) -> str:
 
     run = open_run(job)
     preflight(run)
-    logs = run.root.join("reports", "logs")
+    logs = run.paths.logs
     if logs.local_path:
         return os.path.join(logs.local_path, log_file_name(command))
     return os.path.join(tempfile.gettempdir(), "raytrain-logs", log_file_name(command))
@@ -280,7 +292,7 @@ def command_log(job: JobConfig, command: str) -> str:
 
 def finish_command_log(job: JobConfig, log_path: str) -> None:
     """Copy a local log of a run on an object store into its reports/logs/ (a no-op on POSIX run roots)."""
-    logs = open_run(job).root.join("reports", "logs")
+    logs = open_run(job).paths.logs
     if logs.local_path or not os.path.exists(log_path):
         return
     try:
@@ -370,7 +382,7 @@ def run_train(job: JobConfig, max_failures: int = 0) -> dict[str, Any]:
     from raytrain.dataset.stream import load_packed
 
     def body(run: Run) -> dict[str, Any]:
-        packed = load_packed(run.root.join("data", "packed"), run.data_hash)
+        packed = load_packed(run.paths.packed, run.data_hash)
         if packed is None:
             raise RaytrainError(f"run {run.root.uri} has no packed data yet: run `raytrain enrich` "
                                 "(or jobs/enrich.py) with the same config first, or `raytrain run` for both")
@@ -416,7 +428,7 @@ def _preflight(run: Run) -> None:
     _check_model_fits_tokenizer(job)
     from raytrain.dataset.stream import load_packed
 
-    if load_packed(run.root.join("data", "packed"), run.data_hash) is None:
+    if load_packed(run.paths.packed, run.data_hash) is None:
         _plan_enrichment_early(run)
         find_java()  # Spark will run: fail now, not inside RayDP, when there is no Java
 
@@ -489,7 +501,7 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
     if latest is None:
         raise RaytrainError(f"no committed checkpoint under {run.root.join('checkpoints').uri}; run training first")
     if not out_dir:
-        exports = run.root.join("exports", step_dir_name(latest.step))
+        exports = run.paths.exports.join(step_dir_name(latest.step))
         if not exports.is_posix:
             raise RaytrainError("exporting to an object store needs --out with a local directory")
         out_dir = exports.path

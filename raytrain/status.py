@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from raytrain.errors import RaytrainError
-from raytrain.storage import StorageLocation, resolve
+from raytrain.storage import RunPaths, StorageLocation, resolve
 
 COLUMNS = ("user", "project", "run", "latest step", "checkpoints", "loss", "saved at", "running (host:pid)")
 
@@ -54,7 +54,7 @@ def scan_runs(root: StorageLocation) -> list[RunRow]:
             pdir = root.join(user, project)
             for run in sorted(pdir.listdir()) if pdir.is_dir() else []:
                 rdir = pdir.join(run)
-                if not rdir.join("checkpoints").is_dir() and not rdir.join("data").is_dir():
+                if not RunPaths(rdir).checkpoints.is_dir() and not RunPaths(rdir).data.is_dir():
                     continue
                 committed = CheckpointStore(rdir).committed()
                 latest = committed[-1] if committed else None
@@ -96,7 +96,7 @@ def print_status(root_uri: str) -> int:
     console.print(table)
     for r in rows:
         if r.locked_by:
-            session = _read_json(root.join(r.user, r.project, r.run, "reports", "session.json")) or {}
+            session = _read_json(RunPaths(root.join(r.user, r.project, r.run)).reports.join("session.json")) or {}
             if session.get("dashboard_url"):
                 console.print(f"{r.run}: running, Ray dashboard {session['dashboard_url']}", markup=False,
                               highlight=False)
@@ -133,7 +133,7 @@ def run_summary_lines(run_uri: str) -> list[str]:
     lines = [f"run {rdir.uri}"]
     lines.append(f"  owner        {run_owner(rdir) or '-'}")
     holder = RunLock(rdir).holder()
-    session = _read_json(rdir.join("reports", "session.json")) or {}
+    session = _read_json(RunPaths(rdir).reports.join("session.json")) or {}
     if holder:
         lines.append(f"  running      on {holder.host}:{holder.pid} for {holder.user} (lock generation "
                      f"{holder.generation})"
@@ -141,9 +141,9 @@ def run_summary_lines(run_uri: str) -> list[str]:
     else:
         lines.append("  running      no")
 
-    metrics_loc = rdir.join("reports", "metrics.jsonl")
+    metrics_loc = RunPaths(rdir).reports.join("metrics.jsonl")
     metrics = load_metrics(metrics_loc.local_path) if metrics_loc.local_path and metrics_loc.is_file() else []
-    summary = _read_json(rdir.join("reports", "run_summary.json")) or {}
+    summary = _read_json(RunPaths(rdir).reports.join("run_summary.json")) or {}
     if metrics:
         last = metrics[-1]
         evals = [m for m in metrics if isinstance(m.get("eval_loss"), int | float)]
@@ -164,12 +164,12 @@ def run_summary_lines(run_uri: str) -> list[str]:
     else:
         lines.append("  checkpoints  none")
 
-    report = _read_json(rdir.join("reports", "enrich_report.json"))
+    report = _read_json(RunPaths(rdir).reports.join("enrich_report.json"))
     if report:
         reasons = ", ".join(f"{k} {v}" for k, v in (report.get("quarantined") or {}).items()) or "none"
         lines.append(f"  data         {report.get('rows_in')} rows in -> {report.get('rows_out')} kept, "
                      f"{report.get('quarantined_total')} quarantined ({reasons})")
-    packed = _read_json(rdir.join("data", "packed", "_manifest.json"))
+    packed = _read_json(RunPaths(rdir).packed.join("_manifest.json"))
     if packed:
         held = (packed.get("validation") or {}).get("num_packs")
         lines.append(f"  packed       {packed.get('num_packs')} sequences of {packed.get('seq_len')} tokens from "
@@ -181,7 +181,7 @@ def run_summary_lines(run_uri: str) -> list[str]:
     if charts.is_dir():
         names = sorted(n for n in charts.listdir() if n.endswith(".png"))
         lines.append(f"  charts       {charts.uri} ({', '.join(names) or 'none'})")
-    logs = rdir.join("reports", "logs")
+    logs = RunPaths(rdir).reports.join("logs")
     if logs.is_dir():
         names = sorted(logs.listdir())
         if names:

@@ -30,10 +30,6 @@ SUPPORTED_SCHEMES = ("file", "s3", "hdfs")
 # Hadoop's names for S3 connectors mean the same bucket; accept them so a `spark_uri` resolves back.
 _SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3"}
 
-DATA_DIR = "data"
-CHECKPOINTS_DIR = "checkpoints"
-REPORTS_DIR = "reports"
-EXPORTS_DIR = "exports"
 
 _URI_EXAMPLES = {
     "file": "file:///absolute/path",
@@ -308,6 +304,56 @@ def validate_name(value: str, field: str) -> str:
             f"{field}={value!r} is not a valid name: use letters, digits, '.', '_' or '-' (e.g. {field}=my-run-01)"
         )
     return value
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The folders of one run below its root (``run_root``): the one place their names are written."""
+
+    root: StorageLocation
+
+    @property
+    def checkpoints(self) -> StorageLocation:
+        return self.root.join("checkpoints")
+
+    @property
+    def reports(self) -> StorageLocation:
+        """Reports, metrics, TensorBoard events and (``logs``) the command logs."""
+        return self.root.join("reports")
+
+    @property
+    def logs(self) -> StorageLocation:
+        return self.reports.join("logs")
+
+    @property
+    def data(self) -> StorageLocation:
+        return self.root.join("data")
+
+    @property
+    def sample(self) -> StorageLocation:
+        """The sample dataset, when data.input_path is 'sample'."""
+        return self.data.join("sample")
+
+    @property
+    def enriched(self) -> StorageLocation:
+        return self.data.join("enriched")
+
+    @property
+    def quarantine(self) -> StorageLocation:
+        return self.data.join("quarantine")
+
+    @property
+    def corpus(self) -> StorageLocation:
+        """The context corpus's sentence tables, one folder per corpus key."""
+        return self.data.join("corpus")
+
+    @property
+    def packed(self) -> StorageLocation:
+        return self.data.join("packed")
+
+    @property
+    def exports(self) -> StorageLocation:
+        return self.root.join("exports")
 
 
 def run_root(root: StorageLocation, user: str, project: str, run: str) -> StorageLocation:

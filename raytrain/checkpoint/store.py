@@ -67,7 +67,7 @@ from raytrain.checkpoint.layout import (
 )
 from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.runlock import Fence, check_fence
-from raytrain.storage import CHECKPOINTS_DIR, StorageLocation, fsync_dir
+from raytrain.storage import RunPaths, StorageLocation, fsync_dir
 
 MANIFEST_FORMAT = 1
 _CHUNK_BYTES = 8 << 20
@@ -137,7 +137,7 @@ class CheckpointStore:
         if keep_best is not None and not keep_best:
             raise RaytrainError("keep_best='' names no metric; pass a metric name or None")
         self.run_root = run_root
-        self.root = run_root.join(CHECKPOINTS_DIR)
+        self.root = RunPaths(run_root).checkpoints
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.mode = mode

@@ -33,7 +33,7 @@ from raytrain.enrich.decontam import build_sorted_index, contamination_counts
 from raytrain.enrich.relevance import default_model_path
 from raytrain.enrich.spark import spark_uri
 from raytrain.enrich.udfs import map_batches
-from raytrain.storage import StorageLocation
+from raytrain.storage import RunPaths, StorageLocation
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def ensure_table(spark: SparkSession, files: Sequence[CorpusFile], cfg: EnrichCo
     t0 = time.perf_counter()
     model_sha = model_hash(cfg.embedding_model or default_model_path())
     key = corpus_key(files, cfg.corpus_id_field, cfg.corpus_text_field, model_sha)
-    folder = run_root.join("data", "corpus", key)
+    folder = RunPaths(run_root).corpus.join(key)
     meta_loc = folder.join(TABLE_META)
     if meta_loc.is_file():
         meta = json.loads(meta_loc.read_text())

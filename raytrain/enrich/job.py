@@ -43,7 +43,7 @@ from raytrain.enrich.decontam import build_sorted_index
 from raytrain.enrich.plan import EnrichPlan, EvalSets, plan_enrichment
 from raytrain.enrich.report import STEP_REASONS_AFTER_DERIVE, Tally, build_report, step_counts, summary_text
 from raytrain.enrich.udfs import CONTAMINATED, OK
-from raytrain.storage import MANIFEST, StorageLocation
+from raytrain.storage import MANIFEST, RunPaths, StorageLocation
 from raytrain.telemetry import record_enrich_step, record_quarantine
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
              sum(len(v) for v in plan.inputs.files.values()),
              ", ".join(f"{k}={v}" for k, v in plan.rows_per_split.items()), len(plan.evals.texts),
              len(plan.eval_index), cfg.decontam_ngram, len(plan.evals.sources))
-    enriched, quarantine = run_root.join("data", "enriched"), run_root.join("data", "quarantine")
+    enriched, quarantine = RunPaths(run_root).enriched, RunPaths(run_root).quarantine
     sc = spark.sparkContext
     eval_array = sc.broadcast(build_sorted_index(plan.eval_index))
     passes: dict[str, float] = {}
@@ -211,7 +211,7 @@ def _commit(job: JobConfig, plan: EnrichPlan, tally: Tally, report: dict[str, An
     }
     enriched.join(MANIFEST).write_atomic(json.dumps(manifest, indent=2, sort_keys=True))
     summary = summary_text(report)
-    summary_loc = run_root.join("reports", "enrich_summary.txt")
+    summary_loc = RunPaths(run_root).reports.join("enrich_summary.txt")
     summary_loc.parent.mkdirs()
     summary_loc.write_atomic(summary)
     log.info("enrich summary:\n%s", summary, extra={QUIET: False})  # screens of text: the log file only

@@ -11,7 +11,7 @@ from typing import Any
 from raytrain.config import JobConfig
 from raytrain.dataset.reasons import STEP_REASONS, Reason
 from raytrain.enrich.plan import EnrichPlan
-from raytrain.storage import MANIFEST, StorageLocation
+from raytrain.storage import MANIFEST, RunPaths, StorageLocation
 
 STEP_REASONS_AFTER_DERIVE = STEP_REASONS
 """The quarantine reasons after derive's, in the order the steps decide them."""
@@ -124,7 +124,7 @@ def build_report(job: JobConfig, plan: EnrichPlan, tally: Tally, passes: dict[st
                    "missing_shards": plan.inputs.missing_shards,
                    "rows_in_files": {k: v["rows"] for k, v in plan.footers.items()}},
         "enriched_uri": enriched.uri, "quarantine_uri": quarantine.uri, "manifest_uri": enriched.join(MANIFEST).uri,
-        "summary_uri": run_root.join("reports", "enrich_summary.txt").uri,
+        "summary_uri": RunPaths(run_root).reports.join("enrich_summary.txt").uri,
         "seconds": round(seconds, 2),
     }
     if corpus:

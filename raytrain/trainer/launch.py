@@ -18,7 +18,7 @@ from raytrain.dataset.stream import PackedData
 from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.runlock import Fence, LockLostError
-from raytrain.storage import StorageLocation
+from raytrain.storage import RunPaths, StorageLocation
 from raytrain.trainer.evaluation import PackedFiles
 from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
 from raytrain.trainer.schedule import check_enough_packs
@@ -121,12 +121,12 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
                             f"{run_root.uri} (not a POSIX mount): set train.mlflow_uri to a tracking server and "
                             "train.wandb_mode=online, or use a run root on a shared filesystem")
     if run_root.is_posix:
-        run_root.join("reports").mkdirs()  # workers append metrics and data traces here
+        RunPaths(run_root).reports.mkdirs()  # workers append metrics and data traces here
     loop_config = LoopConfig(
         job=job, run_uri=run_root.uri, ds_config=ds_config, packed=_files_of(packed),
         validation=_files_of(validation) if validation is not None else None,
         benchmark=_files_of(benchmark) if benchmark is not None else None,
-        local_reports_dir=run_root.join("reports").path if run_root.scheme == "file" else None,
+        local_reports_dir=RunPaths(run_root).reports.path if run_root.scheme == "file" else None,
         versions=software_versions(), fence=fence)
     storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
@@ -160,4 +160,4 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     # the metrics of the step it saved (the last step is always saved).
     latest = CheckpointStore(run_root).latest()
     return TrainResult(final_metrics=dict(latest.metadata.get("metrics", {})) if latest else {},
-                       checkpoint_dir=run_root.join("checkpoints").uri)
+                       checkpoint_dir=RunPaths(run_root).checkpoints.uri)
