@@ -10,7 +10,7 @@ Out: ``tokenizer.model.<version>`` (the SentencePiece file itself) and ``tokeniz
      that tokenized the training data, and a served prompt is the prefix the model was trained to continue.
 
 Not a ``tokenizer.json`` with a Jinja chat template: transformers' conversion merges runs of spaces differently
-from SentencePiece itself (docs/decisions.md, 'Exports carry mistral-common's tokenizer'). Serving stacks with a
+from SentencePiece itself (docs/decisions.md, 'Exports carry the mistral-common tokenizer'). Serving stacks with a
 Mistral tokenizer mode (vLLM ``--tokenizer-mode mistral``) read the same ``tokenizer.model.<version>`` file.
 """
 
