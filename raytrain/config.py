@@ -129,15 +129,15 @@ class EnrichConfig:
     """JVM heap per executor."""
     executor_ray_cpus: float = 0.5
     """Ray CPUs reserved per executor actor. Below executor_cores on purpose on small machines: executors holding
-    every Ray CPU starve Ray Data's own tasks, which then wait for a CPU forever (docs/decisions.md)."""
+    every Ray CPU starve Ray Data's own tasks, which then wait for a CPU forever (docs/decisions.md, 'Spark
+    executors reserve half a Ray CPU each')."""
     num_partitions: int = 4
     """Spark partitions for the enrichment (embedding batches run per partition)."""
     top_k: int = 3
     """Context sentences kept per row."""
     min_score: float = 0.4
-    """Sentences scoring below this are dropped even when within top_k. With all-MiniLM-L6-v2, sentences that
-    answer the question score ~0.55-0.95 and unrelated ones ~-0.1-0.35 (the sample: answering sentences >= 0.57,
-    distractors <= 0.33), so 0.4 keeps the block free of filler such as a tool list's opening line."""
+    """Sentences scoring below this are dropped even when within top_k: 0.4 lies between the scores of answering
+    sentences and of filler with all-MiniLM-L6-v2 (docs/decisions.md, 'Relevance threshold 0.4')."""
     question_weight: float = 0.5
     """score = w * cos(sentence, question) + (1 - w) * cos(sentence, answer)."""
     embedding_model: str = ""
@@ -176,10 +176,8 @@ class EnrichConfig:
     corpus_exact_max_sentences: int = 200_000
     """Up to this many searchable corpus sentences the search is exact (blocked matrix products); above, an
     approximate faiss HNSW index is built once and shipped to the executors, its recall@top_k against exact
-    search measured on a sample of rows and reported. 0 = always approximate. Measured (benchmarks/bench_corpus.py,
-    2-core machine): exact search over 100k sentences ran 277 rows/s (~3.6 ms a row) against ~20 ms to embed a
-    row's question and answer on one core; at 200k exact search adds about a third to a row's cost and its
-    broadcast reaches ~300 MB per executor, past which HNSW (3,000 rows/s at 100k) pays for its build."""
+    search measured on a sample of rows and reported. 0 = always approximate. Why 200,000: docs/decisions.md,
+    'Exact corpus search up to 200,000 sentences'."""
     corpus_recall_sample: int = 256
     """Rows whose exact and approximate results are compared for the reported recall@top_k."""
     spark_jars: tuple[str, ...] = ()

@@ -99,8 +99,7 @@ def s3_filesystem(endpoint: str | None, region: str | None, settings: S3RetrySet
 # (503 SlowDown, ~250 bytes of XML) and the range is shorter than that body, the body overflows the buffer and the
 # SDK reports "Failed to flush response stream" as INTERNAL_FAILURE, which its retry strategy never retries: a
 # throttled read of any small object (the `latest` pointer, owner.json, a lock) or of a file's short last chunk
-# ended the caller. Measured against tests/loopback_s3.FaultProxy: 1 SlowDown on a 3- or 100-byte object failed
-# at once; on 200 bytes and up the SDK retried it.
+# ended the caller (benchmarks/RESULTS.md, 'Throttled S3 reads of small objects').
 MISREAD = "Failed to flush response stream"
 
 

@@ -9,11 +9,9 @@ Out: ``tokenizer.model.<version>`` (the SentencePiece file itself) and ``tokeniz
      v3 layout (system prompt in the last user turn, ``[INST]`` control tokens, tool calls) come from the same code
      that tokenized the training data, and a served prompt is the prefix the model was trained to continue.
 
-Why not a ``tokenizer.json`` with a Jinja chat template: transformers' SentencePiece -> tokenizers conversion
-merges runs of spaces differently from SentencePiece itself (``"Looking  at"`` -> ``▁▁ at`` vs ``▁ ▁at``): with
-a template that was otherwise exact, 46 of the encodings of the sample's text conversations (training and prompt
-encodings, 210 conversations) differed from mistral-common, at code indentation and double spaces. Serving stacks with a Mistral tokenizer mode (vLLM
-``--tokenizer-mode mistral``) read the same ``tokenizer.model.<version>`` file.
+Not a ``tokenizer.json`` with a Jinja chat template: transformers' conversion merges runs of spaces differently
+from SentencePiece itself (docs/decisions.md, 'Exports carry the mistral-common tokenizer'). Serving stacks with a
+Mistral tokenizer mode (vLLM ``--tokenizer-mode mistral``) read the same ``tokenizer.model.<version>`` file.
 """
 
 from __future__ import annotations

@@ -7,12 +7,8 @@ verifies each bucket with ``verified_pairs`` (udfs.verify_bucket) and clusters t
 ``cluster_roots`` (udfs.near_duplicate_drops); ``near_duplicate_groups`` is the same rule in one process (the
 benchmark's single-process baseline).
 
-Why not datasketch (benchmarks/bench_libraries.py, issue #15, 2026-12-04): on the same 128 permutations of
-character 5-gram sets, datasketch 2.0.0's MinHash (update_batch or bulk) ran at 0.43x this module's speed (108 vs
-250 rows of ~25 KB a second), 0.68x even when fed our shingle hashes. It is no more accurate: mean
-|J_est - J_true| was 0.0256 against ours 0.0259 over 756 pairs, about 1.0 ideal standard errors for both over 12
-seeds. Its MinHashLSH is an in-process index, while the Spark job needs band keys it can explode and group by, so
-the banding stays here; with weights (0.1, 0.9) it picks the same 14x9 bands as ``lsh_params``.
+The MinHash and the banding are ours, not datasketch's: the Spark job needs band keys it can explode and group
+by (docs/decisions.md, 'MinHash and LSH of our own, not datasketch').
 """
 
 from __future__ import annotations

@@ -9,9 +9,7 @@ per-step counts come from one aggregation of it, and the job checks on the writt
 went missing: rows in == enriched + quarantined. Spark actions per enrichment (no corpus): the near-duplicate
 flags' count (which runs pass 1, the LSH buckets and the clustering), one per write, two statistics rollups, and
 a job of Spark's own when it broadcasts the flags to pass 2's join (when it estimates them under
-spark.sql.autoBroadcastJoinThreshold: on 100 and 400 card-length rows, not on 2,000, where it sort-merge joins): 5
-or 6; no global sort (benchmarks/bench_enrich.py counts the jobs Spark runs for them). Outputs, under the run's
-``data/`` folder:
+spark.sql.autoBroadcastJoinThreshold); no global sort. Outputs, under the run's ``data/`` folder:
 
 - ``data/enriched/part-*.parquet``: kept rows, files hash-partitioned by uuid and sorted by uuid within each
   (the same files and order on every run of the same inputs and config), with the audit columns of the selection
@@ -23,7 +21,7 @@ or 6; no global sort (benchmarks/bench_enrich.py counts the jobs Spark runs for 
 - ``reports/enrich_summary.txt`` here, ``reports/enrich_report.json`` by the runner (the report dict).
 
 Hand-off to Ray Data: training reads the enriched Parquet (``ray.data.read_parquet``, raytrain.dataset.stream),
-not ``ray.data.from_spark`` (why: docs/decisions.md).
+not ``ray.data.from_spark`` (docs/decisions.md, 'Enriched rows reach Ray Data as Parquet').
 """
 
 from __future__ import annotations

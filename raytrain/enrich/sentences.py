@@ -7,12 +7,8 @@ whitespace and a capital letter, digit or opening quote, unless the word before 
 abbreviation ("e.g.", "Dr.") or an initial ("J. Smith", "U.S."). Decimals ("3.14") never split because no
 whitespace follows their period. CJK full-width terminators split without needing whitespace.
 
-Why not a library (benchmarks/bench_libraries.py, issue #15, 2026-12-04): on the texts the enrichment splits
-(sample rows at card length plus the corpus), pysbd 0.3.4 ran at 0.003x this splitter's speed and blingfire 0.1.8
-at about the same speed (0.7-1.9x across runs). Neither keeps fenced code or newline units: blingfire on whole
-texts matched our unit lists on 45% of them (boundary recall 0.67), and even inside these fence and line rules it
-splits after "Dr." (92% identical); pysbd splits after "approx." before a number (93%). Splitting costs ~6 ms per
-300 rows, next to seconds of embedding: there is no speed to gain, and the regex rules stay.
+The rules are ours, not pysbd's or blingfire's: neither keeps fenced code or newline units, and neither is faster
+(docs/decisions.md, 'Sentence splitting by our own rules').
 """
 
 from __future__ import annotations

@@ -134,11 +134,9 @@ def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str,
     """Spark settings for RayDP on Ray; pure, so tested without a JVM. ``console_progress``: Spark's stage
     progress bar (carriage returns; off when the console is captured into a log file).
 
-    No log4j2 file of our own: RayDP's java agent points the driver JVM's System.err at a file of its own while
-    the JVM starts, and a log4j2 configuration given with -Dlog4j2.configurationFile binds its console appender
-    then, so every later driver warning was lost (seen 2026-12-04: empty slf4j-*.log, nothing on stderr). RayDP's
-    default names a file that does not exist; log4j prints one "StatusConsoleListener ... No configuration found"
-    line and Spark falls back to its own defaults on the real stderr (the run's log file when captured)."""
+    No log4j2 file of our own: one would bind its console appender while RayDP's java agent has the driver's
+    System.err redirected, and lose the driver's warnings (docs/decisions.md, 'No log4j2 file for the Spark
+    driver')."""
     return {
         "spark.executor.extraJavaOptions": JAVA_OPTIONS,
         "spark.driver.extraJavaOptions": JAVA_OPTIONS,
@@ -146,9 +144,8 @@ def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str,
         # Ray CPUs per executor actor: fewer than its Spark cores so Ray Data's tasks are never starved.
         "spark.ray.raydp_spark_executor.actor.resource.cpu": str(cfg.executor_ray_cpus),
         "spark.sql.shuffle.partitions": str(cfg.num_partitions),
-        # Adaptive execution submits every shuffle stage as a Spark job of its own: on the demo sample 22 jobs per
-        # enrichment with it, 6 without, and 44 s against 38 s (benchmarks/bench_enrich.py counts them). The
-        # enrichment sets its partition counts itself (enrich.num_partitions), which is what AQE would tune.
+        # Adaptive execution submits every shuffle stage as a Spark job of its own, and the enrichment sets its
+        # partition counts itself (enrich.num_partitions): docs/decisions.md, 'Spark adaptive execution off'.
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "256",
@@ -195,13 +192,9 @@ def spark_session(cfg: EnrichConfig, app_name: str = "raytrain-enrich",
 def _popen_without_preexec_fn(*args, **kwargs) -> subprocess.Popen:
     """subprocess.Popen, with a ``preexec_fn`` replaced by ``start_new_session=True``.
 
-    pyspark's launch_gateway passes ``preexec_fn`` (it sets SIGINT to SIG_IGN in the child, so a Ctrl-C meant for
-    the driver does not kill the JVM). A ``preexec_fn`` makes CPython fork and run Python in the child before exec,
-    which the subprocess docs call unsafe in a process with threads: a lock another thread held at the fork stays
-    held in the child forever. The driver here has Ray's threads, and CI hung so once (2026-12-04): the forked
-    child waited on a futex and never exec'd, pytest waited on the error pipe. A new session keeps the terminal's
-    Ctrl-C from the JVM as the SIG_IGN did (the signal goes to the foreground process group only), and CPython
-    does it in C (setsid), so no Python runs between fork and exec. The JVM still exits when its stdin closes."""
+    pyspark's launch_gateway passes one to ignore SIGINT in the JVM; Python run between fork and exec can deadlock
+    in a process with threads, as the driver is. A new session keeps the terminal's Ctrl-C from the JVM too, with
+    no Python in the child (docs/decisions.md, 'JVMs start without preexec_fn')."""
     if kwargs.pop("preexec_fn", None) is not None:
         kwargs["start_new_session"] = True
     return subprocess.Popen(*args, **kwargs)

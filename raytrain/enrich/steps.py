@@ -112,12 +112,8 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Dupl
     more; each keeps its smallest (uuid, row_id)). Reads only the narrow columns (ids, keys, signatures). Nothing
     comes to the driver but the two counts.
 
-    Why one task and not large-star/small-star rounds (Kiveris et al. 2014, as text-dedup's Spark job runs them):
-    those took 46-94 s for a five-edge graph on local Spark here (about 8 shuffles a round, three rounds: the stage
-    overhead of a 2-core machine), each round is a Spark job of its own, and they ran the RayDP driver out of heap
-    on the sample. The task holds only the verified pairs, ~100 bytes each (two row ids, two uuids, a Jaccard), not
-    the rows: 10 million near-duplicate pairs are ~1 GB, and scipy finds their components in seconds. Beyond one
-    executor's memory of pairs, the rounds would be the way."""
+    One task, not large-star/small-star rounds in Spark: it holds only the verified pairs (~100 bytes each), and
+    each round would be a Spark job of its own (docs/decisions.md, 'Near-duplicate clusters in one Spark task')."""
     threshold = job.enrich.near_dup_threshold
     ok = prepared.filter(F.col("status") == udfs.OK).select("row_id", "uuid", "exact_key", "signature", "band_keys")
     w = Window.partitionBy("exact_key").orderBy("uuid", "row_id")

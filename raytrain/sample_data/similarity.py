@@ -40,8 +40,8 @@ def _shingle_hashes(row: dict, n: int = 5) -> np.ndarray:
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
-    """How many values two sorted distinct arrays share: binary search of the shorter in the longer (4x faster than
-    np.intersect1d, which sorts both again, on 15,000-hash rows)."""
+    """How many values two sorted distinct arrays share: binary search of the shorter in the longer (np.intersect1d
+    would sort both again)."""
     short, long = (a, b) if a.size <= b.size else (b, a)
     if not short.size:
         return 0
@@ -54,8 +54,7 @@ class SeenRows:
     """The 5-gram sets of a split's rows so far, to tell whether a new row is at least ``MAX_ROW_SIMILARITY`` like
     one of them, without comparing it with every one: a MinHash signature per row picks the candidates (estimate
     >= CANDIDATE_ESTIMATE, sizes within the ratio a Jaccard that high needs), and only they are compared exactly.
-    Comparing every set was quadratic in the split's rows: 2,000 card-length rows took 84 s, 20,000 did not finish
-    in 20 minutes."""
+    Comparing every set would be quadratic in the split's rows (benchmarks/RESULTS.md, 'Sample generation')."""
 
     def __init__(self) -> None:
         self._hashes: list[np.ndarray] = []  # each row's sorted distinct 5-gram hashes
