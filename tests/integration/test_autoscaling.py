@@ -17,7 +17,7 @@ import time
 
 import pytest
 import yaml
-from test_ops_cluster import (
+from local_cluster import (
     MAX_STEPS,
     REPO,
     LocalCluster,

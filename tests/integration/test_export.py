@@ -8,13 +8,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-import random
 import subprocess
 import sys
 
 import mistral_common
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
@@ -22,10 +19,10 @@ from mistral_common.protocol.instruct.messages import UserMessage
 from mistral_common.protocol.instruct.request import ChatCompletionRequest
 from mistral_common.protocol.instruct.validator import ValidationMode
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+from synthetic_data import SHORT, synthetic_conversations, write_packed
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
-from raytrain.dataset.pack import tokenize_frame
 from raytrain.dataset.tokenize import TOKENIZER_FILES
 from raytrain.pipeline.engine import DS_TAG
 from raytrain.pipeline.model import MistralConfig, build_sequential
@@ -43,26 +40,6 @@ def _overrides(root) -> list[str]:
             "dataset.validation_fraction=0.2", f"train.sample_new_tokens={NEW_TOKENS}"]
 
 
-def _write_packed(job, num_conversations: int):
-    """Synthetic conversations, tokenized like enriched rows -> Ray Data packing into the run's data folder."""
-    from raytrain.dataset.stream import pack_enriched
-
-    rng = random.Random(1)
-    rows = {"uuid": [], "messages_json": []}
-    for i in range(num_conversations):
-        topic = rng.choice(["tides", "bread", "glaciers", "compilers", "honeybees", "rainbows"])
-        body = " ".join(f"Point {k}: {topic} obey law {rng.randint(1, 50)}." for k in range(rng.randint(1, 5)))
-        rows["uuid"].append(f"exp-{i:04d}")
-        rows["messages_json"].append(json.dumps([{"role": "user", "content": f"Tell me about {topic}."},
-                                                 {"role": "assistant", "content": body}]))
-    run = open_run(job)
-    enriched = run.root.join("data", "synthetic_enriched")
-    enriched.mkdirs()
-    pq.write_table(pa.Table.from_pandas(tokenize_frame(pa.table(rows).to_pandas(), job.dataset.tokenizer), preserve_index=False), enriched.join("part-00000.parquet").path)
-    packed = pack_enriched(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
-    return packed
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     import ray
@@ -73,7 +50,8 @@ def trained(tmp_path_factory):
     try:
         root = tmp_path_factory.mktemp("export")
         job = load_job_config(os.path.join(ROOT, CONFIG), _overrides(root))
-        _write_packed(job, num_conversations=40)
+        # short conversations: cpu-tiny's length_policy drop refuses one longer than its 128-token packs
+        write_packed(job, synthetic_conversations(40, seed=1, uuid_prefix="exp", **SHORT))
         run_train(job)
     finally:
         ray.shutdown()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import sys
@@ -20,16 +19,14 @@ import traceback
 from dataclasses import dataclass, field
 
 import psutil
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from synthetic_data import synthetic_conversations, write_packed
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
-from raytrain.dataset.pack import tokenize_frame
 from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.runner import open_run, run_train
-from raytrain.storage import resolve
 
 # 18-step schedule, checkpoint every 3 steps: the kill lands after the step-6 checkpoint, with steps left to redo.
 MAX_STEPS = 18
@@ -38,26 +35,8 @@ KILL_AFTER_STEP = 7
 NUM_CONVERSATIONS = 160
 KILL_AFTER_SPARK_JOBS = 4  # the enrich steps' first materializations (derive, license) have run
 
-_WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud field light "
-          "number graph vector matrix proof lemma train model token batch").split()
-
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
-def synthetic_conversations(n: int, seed: int = 0) -> pa.Table:
-    """Conversations (uuid, messages_json) of varied length, tokenized before they are written like enriched rows."""
-    rng = random.Random(seed)
-    uuids, messages_json = [], []
-    for i in range(n):
-        question = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 30)))
-        answer = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 90)))
-        messages = [{"role": "system", "content": f"Context:\nfact {i}", "tool_calls": []},
-                    {"role": "user", "content": f"Q{i}: {question}?", "tool_calls": []},
-                    {"role": "assistant", "content": answer, "tool_calls": []}]
-        uuids.append(f"conv-{i:05d}")
-        messages_json.append(json.dumps(messages))
-    return pa.table({"uuid": uuids, "messages_json": messages_json})
-
-
 def make_job(root, run_name: str, *extra: str):
     # 128-token packs of the synthetic conversations (the demo packs 1,024), split where one is longer: enough
     # sequences for MAX_STEPS steps at the cost these tests always had
@@ -151,15 +130,9 @@ def runs_root(ray_local, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(runs_root):
     """An uninterrupted run: packs the synthetic data once, trains MAX_STEPS steps."""
-    from raytrain.dataset.stream import pack_enriched
-
     job = make_job(runs_root, "reference")
-    enriched = runs_root / "enriched"
-    enriched.mkdir()
-    rows = tokenize_frame(synthetic_conversations(NUM_CONVERSATIONS).to_pandas(), job.dataset.tokenizer)
-    pq.write_table(pa.Table.from_pandas(rows, preserve_index=False), str(enriched / "part-00000.parquet"))
+    packed = write_packed(job, synthetic_conversations(NUM_CONVERSATIONS), enriched=runs_root / "enriched")
     run = open_run(job)
-    packed = pack_enriched(resolve(str(enriched)), run.root.join("data", "packed"), job.dataset, run.data_hash)
     assert packed.num_packs >= 2 * job.train.global_batch_size
     t0 = time.perf_counter()
     summary = run_train(job)

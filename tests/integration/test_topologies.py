@@ -13,60 +13,23 @@ import hashlib
 import json
 import math
 import os
-import random
 import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from synthetic_data import synthetic_conversations, write_packed
 
 from raytrain.config import load_job_config
-from raytrain.dataset.pack import tokenize_frame
 from raytrain.pipeline.model import MistralConfig
 from raytrain.runner import WORKER_ENV, open_run, run_train
 
 STEPS = 4
 CONFIG = "configs/cpu-tiny.yaml"
 
-_TOPICS = ["tides", "volcanoes", "bread", "prime numbers", "bicycles", "glaciers", "compilers", "honeybees",
-           "lighthouses", "sorting", "rainbows", "chess openings", "coral reefs", "jet streams", "paper mills"]
-_VERBS = ["explain", "describe", "summarise", "compare", "outline"]
-
-
-def synthetic_conversations(num_conversations: int, seed: int = 0) -> pa.Table:
-    """Enriched-like rows (uuid, messages_json) of varied length, deterministic for a seed."""
-    rng = random.Random(seed)
-    uuids, messages = [], []
-    for i in range(num_conversations):
-        topic, verb = rng.choice(_TOPICS), rng.choice(_VERBS)
-        facts = " ".join(f"Fact {k + 1} about {topic}: it follows rule {rng.randint(1, 99)}."
-                         for k in range(rng.randint(1, 6)))
-        conversation = [
-            {"role": "system", "content": "You are a concise tutor."},
-            {"role": "user", "content": f"Please {verb} {topic} for me."},
-            {"role": "assistant", "content": f"Here is how I would {verb} {topic}. {facts}"},
-        ]
-        uuids.append(f"syn-{seed}-{i:04d}")
-        messages.append(json.dumps(conversation))
-    return pa.table({"uuid": uuids, "messages_json": messages})
-
-
-def write_packed(job, num_conversations: int):
-    """Pack synthetic conversations with Ray Data into <run>/data/packed under the run's data hash (what
-    runner.run_train looks for). Returns the PackedData."""
-    from raytrain.dataset.stream import pack_enriched
-
-    run = open_run(job)
-    enriched = run.root.join("data", "synthetic_enriched")
-    enriched.mkdirs()
-    pq.write_table(pa.Table.from_pandas(tokenize_frame(synthetic_conversations(num_conversations).to_pandas(), job.dataset.tokenizer), preserve_index=False),
-                   enriched.join("part-00000.parquet").path)
-    packed = pack_enriched(enriched, run.root.join("data", "packed"), job.dataset, run.data_hash)
-    return packed
-
 
 def make_job(root, run_name: str, *overrides: str):
-    # length_policy=split: a few synthetic conversations are longer than the 128-token packs; these tests check the
+    # length_policy=split: some synthetic conversations are longer than the 128-token packs; these tests check the
     # topology's math on packs, not the length policy (tests/unit/dataset/test_length_policy.py does)
     return load_job_config(CONFIG, [f"storage.root={root}", f"storage.run_name={run_name}", "storage.user=ci",
                                     f"train.max_steps={STEPS}", f"train.checkpoint_every={STEPS}",
@@ -128,7 +91,7 @@ def ray_cluster():
 def pp2_dp2(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("topologies")
     job = make_job(root, "pp2-dp2", "train.pp=2", "train.dp=2")
-    packed = write_packed(job, num_conversations=90)
+    packed = write_packed(job, synthetic_conversations(90, uuid_prefix="syn"))
     # one epoch must hold every step's micro-batches, so "cover every global index" means distinct packs
     assert packed.num_packs // job.train.micro_batch_size >= STEPS * job.train.dp * job.train.grad_accum_steps
     # enough held-out packs for both replicas to evaluate (one replica gets the short last micro-batch)

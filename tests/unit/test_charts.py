@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_runs import cli, commit_checkpoint
 
 from raytrain.charts import DPI, FIGSIZE_IN, load_metrics, write_run_charts
 from raytrain.errors import RaytrainError
@@ -98,8 +99,6 @@ def test_a_run_without_training_gets_only_the_data_charts(tmp_path):
 
 
 def test_status_of_one_run(tmp_path):
-    from tests.unit.test_cli import cli, commit_checkpoint
-
     run = tmp_path / "runs" / "ci" / "demo" / "r1"
     write_metrics(run, LOSSES)
     write_enriched(run)
@@ -130,7 +129,6 @@ def test_status_shows_the_dashboard_of_a_running_run(tmp_path):
     the one-run summary show its dashboard; a run nobody holds shows none."""
     from raytrain.runlock import RunLock
     from raytrain.storage import resolve
-    from tests.unit.test_cli import cli, commit_checkpoint
 
     root = tmp_path / "runs"
     run = root / "ci" / "demo" / "live"

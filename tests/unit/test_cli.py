@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_runs import cli, commit_checkpoint
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.runlock import RunLock
@@ -18,13 +19,6 @@ from raytrain.storage import resolve
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMANDS = ("run", "enrich", "train", "export", "status")
-
-
-def cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", COLUMNS="200")
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "raytrain.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
 
 
 def assert_no_ray_and_no_traceback(out: subprocess.CompletedProcess) -> None:
@@ -168,14 +162,6 @@ def test_export_without_checkpoint_exits_1(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # status
-
-
-def commit_checkpoint(run_dir, step: int, loss: float) -> None:
-    store = CheckpointStore(resolve(str(run_dir)), keep_last=None)
-    staging = store.staging_dir(step)
-    with open(os.path.join(staging, "layer_00-model_states.pt"), "wb") as f:
-        f.write(os.urandom(64))
-    store.commit(step, {"metrics": {"loss": loss, "step": step}})
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:

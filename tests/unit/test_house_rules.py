@@ -1,4 +1,5 @@
-"""House rules that a test can check: lint clean, and each heavy framework imported from one stage only."""
+"""House rules that a test can check: lint clean, each heavy framework imported from one stage only, test helpers
+shared through helper modules, integration tests in tests/integration."""
 
 import ast
 import pathlib
@@ -127,3 +128,24 @@ def test_no_import_cycle_between_raytrain_modules():
         if m not in state:
             visit(m, [m])
     assert not cycles, "\n".join(cycles)
+
+
+def test_no_test_module_imports_another_and_unit_holds_no_integration_test():
+    """A test module imports no other test module (that imports its tests a second time, under another name): shared
+    helpers live in tests/*.py helper modules or conftest fixtures. And nothing under tests/unit carries the
+    integration mark: tests that start Ray, Spark or several processes live in tests/integration."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                names = []
+            offenders += [f"{rel} imports {n}" for n in names if n.rsplit(".", 1)[-1].startswith("test_")]
+            if (rel.startswith("tests/unit/") and isinstance(node, ast.Attribute) and node.attr == "integration"
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"):
+                offenders.append(f"{rel}:{node.lineno} marks a test integration")
+    assert not offenders, "\n".join(offenders)

@@ -134,7 +134,14 @@ def test_lease_of_a_killed_holder_expires(tmp_path):
                             text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     try:
         assert proc.stdout.readline().strip() == "held"
-        time.sleep(2 * ttl)  # past one TTL: only renewal keeps it live
+        [written] = store.leases()
+        # A renewal that writes an expiry a TTL past the first one ran after the first expiry had passed: from
+        # there only renewal keeps the lease live. Seen in the file, not assumed after a sleep.
+        deadline = time.monotonic() + 30
+        while store.leases()[0]["expires_unix_s"] < written["expires_unix_s"] + ttl:
+            assert time.monotonic() < deadline, "the holder never renewed its lease"
+            time.sleep(0.02)
+        assert time.time() >= written["expires_unix_s"] - 1e-3  # past the first expiry (written to the ms)
         _save(store, 20)
         assert [c.step for c in store.committed()] == [10, 20]
     finally:

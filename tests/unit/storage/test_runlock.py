@@ -32,13 +32,15 @@ import os, sys, time
 from raytrain.errors import RaytrainError
 from raytrain.runlock import RunLock
 from raytrain.storage import resolve
-go = sys.argv[2]
+go, done = sys.argv[2], sys.argv[3]
+print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.005)
 try:
     RunLock(resolve(sys.argv[1]), heartbeat_interval_s=None, stale_after_s=60).acquire()
     print("OK", flush=True)
-    time.sleep(3)  # hold while the others decide
+    while not os.path.exists(done):  # hold the lock until every other contender has decided and exited
+        time.sleep(0.005)
 except RaytrainError as exc:
     print("REFUSED", exc, flush=True)
 """
@@ -89,10 +91,18 @@ def test_concurrent_takeover_has_exactly_one_winner(run, tmp_path):
     stale = LockInfo(socket.gethostname(), dead.pid, time.time(), "bob", time.time(), "old")
     with open(os.path.join(run.path, ".lock"), "w") as f:
         f.write(stale.to_json())
-    go = str(tmp_path / "go")
-    procs = [_spawn(CONTENDER, run.uri, go) for _ in range(5)]
-    time.sleep(1.0)  # let the interpreters start and spin on the go file
-    open(go, "w").close()
+    go, done = str(tmp_path / "go"), str(tmp_path / "done")
+    procs = [_spawn(CONTENDER, run.uri, go, done) for _ in range(5)]
+    try:
+        # every interpreter has imported raytrain and spins on the go file: one release starts the race
+        assert [p.stdout.readline().strip() for p in procs] == ["ready"] * len(procs)
+        open(go, "w").close()
+        # the losers answer and exit while the winner still holds the lock, however slowly each one decides (a
+        # winner that let go early would hand a late contender a dead holder's lock to take over)
+        _wait_for(lambda: sum(p.poll() is not None for p in procs) >= len(procs) - 1, timeout_s=60)
+    finally:
+        for path in (go, done):  # also on a failure above: no contender is left spinning
+            open(path, "a").close()
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     winners = [p.pid for p, o in zip(procs, outs, strict=True) if o == "OK"]
     assert len(winners) == 1, outs
