@@ -126,11 +126,11 @@ class StageEngine:
         """Which of a checkpoint's files (paths relative to the step dir, e.g. ``ds/layer_03-model_states.pt``)
         this rank's ``load`` opens, and which it only needs to see listed. Returns ``(opened, listed)``.
 
-        Opened: its stage's layer files, its model-parallel rank's ``mp_rank_XX_model_states.pt``, the first one
-        too (DeepSpeed's loader reads ``mp_world_size`` from it) and, with ZeRO, its own optimizer partition (every
-        dp rank's with elastic checkpoints, which DeepSpeed then reads). Listed: the other ranks'
-        ``mp_rank_XX_model_states.pt``: DeepSpeed globs them and checks their count, never opens them, so empty
-        stand-ins will do. Files of a kind not named here are opened by every rank."""
+        Opened: its stage's layer files, its model-parallel rank's ``mp_rank_XX_model_states.pt`` and, with ZeRO,
+        its own optimizer partition (every dp rank's with elastic checkpoints, which DeepSpeed then reads). Listed:
+        the other ranks' ``mp_rank_XX_model_states.pt``, which DeepSpeed globs and counts; of those it opens only the
+        first, for its ``mp_world_size`` (``write_stand_ins``). Files of a kind not named here are opened by every
+        rank."""
         engine = self.engine
         mp = engine.checkpoint_mp_rank
         layers = range(engine.module._local_start, engine.module._local_stop)
@@ -148,7 +148,7 @@ class StageEngine:
                 keep = any(part in base for part in own_optim) if "zero_pp_rank_" in base \
                     else f"mp_rank_{mp:02d}" in base
             elif rel in model_states:
-                keep = base == f"mp_rank_{mp:02d}_model_states.pt" or rel == model_states[0]
+                keep = base == f"mp_rank_{mp:02d}_model_states.pt"
                 if not keep:
                     listed.append(rel)
             else:
@@ -156,6 +156,21 @@ class StageEngine:
             if keep:
                 opened.append(rel)
         return opened, listed
+
+    @staticmethod
+    def write_stand_ins(directory: str, listed: list[str], names: list[str]) -> None:
+        """Stand-ins under ``directory`` for the ``listed`` files (``checkpoint_files``) a rank did not fetch.
+        DeepSpeed's loader (``SDLoaderBase.check_ckpt_list``) opens the first ``mp_rank_XX_model_states.pt`` only to
+        check ``mp_world_size`` against the count of such files; that one gets a file holding just that count, the
+        others are empty (globbed, never opened)."""
+        model_states = sorted(rel for rel in names if rel.rsplit("/", 1)[-1].startswith("mp_rank_")
+                              and rel.endswith("_model_states.pt"))
+        for rel in listed:
+            path = os.path.join(directory, *rel.split("/"))
+            if rel == model_states[0]:
+                torch.save({"mp_world_size": len(model_states)}, path)
+            else:
+                open(path, "wb").close()
 
     def load(self, directory: str) -> dict[str, Any]:
         path, client_state = self.engine.load_checkpoint(

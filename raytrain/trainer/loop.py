@@ -28,7 +28,7 @@ from raytrain.pipeline.flops import mfu, pipeline_bubble_fraction
 from raytrain.pipeline.model import model_config
 from raytrain.redact import redact_tree
 from raytrain.runlock import Fence
-from raytrain.storage import StorageLocation, apply_run_umask, resolve
+from raytrain.storage import RunPaths, StorageLocation, apply_run_umask, resolve
 from raytrain.trainer.evaluation import Evaluator, OpenPacks, PackedFiles, PackSource, Samples
 from raytrain.trainer.feed import FeedTrace, micro_batches
 from raytrain.trainer.metrics_sink import MetricsSink
@@ -92,7 +92,7 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
     job, tc = cfg.job, cfg.job.train
     topo = Topology(pp=stage.num_stages, dp=stage.num_replicas, stage=stage.stage, dp_rank=stage.dp_rank,
                     world_rank=stage.world_rank)
-    step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc, store.run_root.join("reports"))
+    step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc, RunPaths(store.run_root).reports)
     train_packs = open_packs(cfg.packed)
     feed = _Feed(train_packs, topo, tc, step) if topo.needs_data else None
     held = {metric: open_packs(packed) for metric, packed in (("eval_loss", cfg.validation),
@@ -260,9 +260,9 @@ def _load_own_files(stage: Any, store: CheckpointStore, ckpt: CommittedCheckpoin
     opened, listed = stage.checkpoint_files(names) if ckpt.local_path is None else ([], [])
     t0 = time.perf_counter()
     with store.local_copy(ckpt, opened, label=f"resume-rank{rank}") as local:
-        for rel in listed:  # other ranks' files DeepSpeed only counts: empty stand-ins (stage.checkpoint_files)
-            open(os.path.join(local, *rel.split("/")), "wb").close()
         fetched_bytes = _tree_bytes(local) if ckpt.local_path is None else 0
+        if listed:  # other ranks' files DeepSpeed only counts
+            stage.write_stand_ins(local, listed, names)
         client_state = stage.load(local)
     if opened:
         record = {"step": ckpt.step, "rank": rank, "files": opened, "stand_ins": listed,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import secrets
 import subprocess
 import sys
@@ -25,16 +24,14 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 
-import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import pytest
 import torch
-from loopback_s3 import AWS_VARS, fault_proxy, loopback_s3
+from loopback_s3 import fault_proxy, loopback_s3
+from synthetic_data import synthetic_conversations, write_enriched
 
 from raytrain.checkpoint.store import CheckpointStore
 from raytrain.config import load_job_config
-from raytrain.dataset.pack import tokenize_frame
 from raytrain.runner import connect_ray, open_run, run_train
 from raytrain.storage import resolve
 
@@ -45,20 +42,6 @@ BUCKET = "raytrain-it"
 MAX_STEPS = 6
 CHECKPOINT_EVERY = 2
 FIRST_LAUNCH_STOP = 4
-
-
-def synthetic_conversations(n: int, seed: int = 1) -> pa.Table:
-    """Conversations (uuid, messages_json), tokenized before they are written like the enrich stage's rows."""
-    rng = random.Random(seed)
-    words = "alpha beta gamma delta river stone cloud field light vector matrix proof token batch".split()
-    rows = []
-    for i in range(n):
-        messages = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(4, 25))),
-                     "tool_calls": []},
-                    {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(rng.randint(8, 80))),
-                     "tool_calls": []}]
-        rows.append((f"s3conv-{i:05d}", json.dumps(messages)))
-    return pa.table({"uuid": [r[0] for r in rows], "messages_json": [r[1] for r in rows]})
 
 
 # Credentials no one could mistake for anything else: moto accepts them, and any copy of them outside this process's
@@ -196,13 +179,12 @@ def s3_run(ray_s3, s3_endpoint, tmp_path_factory):
 
     local = tmp_path_factory.mktemp("s3-src")
     job = _job(f"s3://{BUCKET}/raytrain", "s3run", s3_endpoint, f"train.stop_at_step={FIRST_LAUNCH_STOP}")
-    pq.write_table(pa.Table.from_pandas(tokenize_frame(synthetic_conversations(120).to_pandas(), job.dataset.tokenizer), preserve_index=False),
-                   str(local / "part-00000.parquet"))
+    write_enriched(local, synthetic_conversations(120, seed=1, uuid_prefix="s3conv"), job.dataset.tokenizer)
     run = open_run(job)
     assert run.root.scheme == "s3" and run.root.uri == f"s3://{BUCKET}/raytrain/ci/demo/s3run"
     console = str(tmp_path_factory.mktemp("s3-console") / "console.txt")
     with console_to(console):
-        packed = pack_enriched(resolve(str(local)), run.root.join("data", "packed"), job.dataset, run.data_hash)
+        packed = pack_enriched(resolve(str(local)), run.paths.packed, job.dataset, run.data_hash)
         first = run_train(job)
     return {"job": job, "run": run, "packed": packed, "first": first, "local": local, "console": console}
 
@@ -295,11 +277,11 @@ def test_s3_resume_fetches_each_ranks_own_files_and_frees_them(resumed, s3):
     assert sorted(layers[0] + layers[1]) == sorted(f for f in files if "/layer_" in f)
     assert max(layers[0]) < min(layers[1])  # stage 0 holds the first layers
     for rank, record in enumerate(records):
-        # its own mp_rank model states, and mp_rank_00's too (DeepSpeed reads mp_world_size from the first); the
-        # others only as empty stand-ins (DeepSpeed counts them)
+        # only its own mp_rank model states; the other rank's as a stand-in (DeepSpeed counts them and reads
+        # mp_world_size from the first)
         mp_files = [f"ds/mp_rank_{r:02d}_model_states.pt" for r in (0, 1)]
-        assert sorted(f for f in record["files"] if "/layer_" not in f) == mp_files[:rank + 1]
-        assert record["stand_ins"] == mp_files[rank + 1:]
+        assert sorted(f for f in record["files"] if "/layer_" not in f) == [mp_files[rank]]
+        assert record["stand_ins"] == [mp_files[1 - rank]]
         manifest_bytes = len(json.dumps(manifest, indent=1, sort_keys=True).encode())
         assert record["fetched_bytes"] == sum(files[f]["size"] for f in record["files"]) + manifest_bytes
         assert record["checkpoint_bytes"] == sum(e["size"] for e in files.values()) > record["fetched_bytes"]
@@ -342,8 +324,8 @@ def test_resumed_s3_run_matches_uninterrupted_posix_run(resumed, s3_run, s3_endp
     job = _job(str(root), "s3run", s3_endpoint)  # same run name: same data hash and config apart from the root
     run = open_run(job)
     src = s3_run["run"].root.join("data", "packed")
-    os.makedirs(run.root.join("data", "packed").path)
-    pafs.copy_files(src.path, run.root.join("data", "packed").path, source_filesystem=src.filesystem,
+    os.makedirs(run.paths.packed.path)
+    pafs.copy_files(src.path, run.paths.packed.path, source_filesystem=src.filesystem,
                     destination_filesystem=pafs.LocalFileSystem())
     os.makedirs(run.root.join("reports").path, exist_ok=True)  # the train loop appends metrics there
     run_train(job)
@@ -362,29 +344,6 @@ def test_resumed_s3_run_matches_uninterrupted_posix_run(resumed, s3_run, s3_endp
             assert a.keys() == b.keys()
             for k in a:
                 assert torch.equal(a[k], b[k]), f"{rel}:{k} differs between the S3-resumed and the POSIX run"
-
-
-def test_runner_forwards_s3_settings_but_no_credentials(monkeypatch):
-    """On a cluster, Ray workers do not inherit the driver's environment: connect_ray forwards the S3 endpoint and
-    region it has into the job's runtime_env, and never the keys (Ray logs runtime_env on every node and serves it
-    from the dashboard; workers take keys from their own node's AWS chain)."""
-    import ray
-
-    from raytrain import runner
-
-    seen = {}
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(kwargs))
-    for k, v in {**AWS_VARS, **CANARY}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
-    job = load_job_config("configs/demo.yaml", ["ray.address=127.0.0.1:1"])
-    runner.connect_ray(job)
-    env_vars = seen["runtime_env"]["env_vars"]
-    assert {k: env_vars.get(k) for k in ("AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3")} == {
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9"}
-    assert not set(CANARY) & set(env_vars)
-    assert not [v for v in CANARY.values() if v in json.dumps(seen, default=str)]
 
 
 def _dashboard_get(ray_s3, path: str, token: str | None) -> tuple[int, str]:
