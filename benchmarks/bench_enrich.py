@@ -32,7 +32,7 @@ The lines a script reads, exactly in this form:
     peak memory: driver A GiB, executors B GiB
 
 On a 64-core node (not measured here; what the design predicts): Spark would get e.g. 16 executors x 4 cores with
-``enrich.num_partitions`` 64 or more and torch's threads per Python worker set to the executor's cores (``udfs``
+``enrich.num_partitions`` 64 or more and torch's threads per Python worker set to the executor's cores (``batches``
 sets them; concurrent workers x threads never exceed the cores). The per-row work (MinHash, sentence embedding,
 tokenization) is independent per row, so the marginal rate should grow about with the cores, while one process's
 torch threads scale sublinearly on MiniLM's small matrices, so the ratio R should rise above this machine's. The
@@ -100,7 +100,7 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     def refused(tokenized) -> bool:
         return tokenized is None or decide_length(tokenized.loss_mask, ds.seq_len, ds.length_policy).action == "drop"
 
-    # as udfs.refused_before_context: a row refused as it stands (context only adds tokens) is never embedded
+    # as batches.refused_before_context: a row refused as it stands (context only adds tokens) is never embedded
     examples = [e for e in examples if len(json.dumps(list(e.messages), ensure_ascii=False)) <= ds.seq_len
                 or not refused(tokenized_or_none(list(e.messages)))]
     for start in range(0, len(examples), 256):  # the same 256-row batches Spark's Arrow batches have

@@ -18,7 +18,7 @@ with whitespace removed (so a library that rewrites whitespace is not penalised 
 ``prose_units`` (the candidate lists the scorer sees). A second, larger set (the prose lines of the long rows'
 answers and traces, not split by the enrichment today) gives the speeds more volume.
 
-MinHash, as steps.near_dedup does it: the normalized text's character 5-grams (SHINGLE_CHARS), NUM_PERM=128.
+MinHash, as passes.near_dedup does it: the normalized text's character 5-grams (SHINGLE_CHARS), NUM_PERM=128.
 datasketch gets the same shingles (the distinct 5-character strings of ``normalize_text``, UTF-8) with its default
 scheme (affine32, sha1_hash32). Pairs: the planted near-duplicates, perturbed copies of some rows (a fraction of
 words replaced) with each other and with their original, and random pairs of rows; J_true is the exact Jaccard of
@@ -290,7 +290,7 @@ def seed_accuracy(texts: list[str], table: list[tuple], n_seeds: int, rng: rando
     from datasketch import MinHash
 
     from raytrain.enrich.dedup import minhash_signature
-    from raytrain.enrich.steps import NUM_PERM, SHINGLE_CHARS
+    from raytrain.enrich.passes import NUM_PERM, SHINGLE_CHARS
 
     if not table or n_seeds < 1:
         return
@@ -320,7 +320,7 @@ def bench_minhash(examples, planted, threshold: float, n_perturbed: int, n_rando
     from datasketch import LeanMinHash
 
     from raytrain.enrich.dedup import lsh_params, minhash_signature
-    from raytrain.enrich.steps import NUM_PERM, SHINGLE_CHARS
+    from raytrain.enrich.passes import NUM_PERM, SHINGLE_CHARS
 
     rng = random.Random(seed)
     texts = [e.full_text() for e in examples]

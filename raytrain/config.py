@@ -37,7 +37,7 @@ TEXT_WITH_TOOL_CALLS_POLICIES = ("drop_text", "quarantine")
 LENGTH_POLICIES = ("drop", "truncate", "split")
 """dataset.length_policy values (raytrain.dataset.length applies them)."""
 SYSTEM_PROMPT_MODES = ("keep", "select")
-"""enrich.system_prompt values (raytrain.enrich.udfs.select_batch applies them)."""
+"""enrich.system_prompt values (raytrain.enrich.batches.select_batch applies them)."""
 ANSWER_TEXTS = ("final", "full")
 """enrich.answer_text values (raytrain.enrich.conversation.answer_for_scoring applies them)."""
 ATTENTION_IMPLS = ("dense", "segment", "flex")

@@ -138,7 +138,7 @@ def pack_documents(
 PACK_COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids")
 """The (num_packs, seq_len) int64 array columns of ``pack_batch``'s output."""
 TOKENIZED_COLUMNS = ("uuid", "input_ids", "loss_mask")
-"""What ``pack_batch`` reads: the enrichment stores them (raytrain.enrich.udfs.tokenize_batch), ``tokenize_frame``
+"""What ``pack_batch`` reads: the enrichment stores them (raytrain.enrich.batches.tokenize_batch), ``tokenize_frame``
 makes them for conversations that did not come through it (the benchmark set)."""
 
 

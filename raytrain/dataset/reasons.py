@@ -17,7 +17,7 @@ class Reason(StrEnum):
     EMPTY_ANSWER = "empty_answer"
     TOO_LONG = "too_long"
     TOO_MANY_TURNS = "too_many_turns"
-    # the steps after derive, in the order they decide (raytrain.enrich.udfs and steps; the length policy)
+    # the steps after derive, in the order they decide (raytrain.enrich.batches and passes; the length policy)
     LICENSE = "license"
     EXACT_DUPLICATE = "exact_duplicate"
     NEAR_DUPLICATE = "near_duplicate"

@@ -10,7 +10,7 @@ exact (``exact_top_k``: blocked matrix products) up to ``enrich.corpus_exact_max
 HNSW index above (``build_ann``); either way the kept sentences' three scores are recomputed exactly from the
 embeddings, so the audit columns never carry an approximate number.
 
-No Spark here (raytrain.enrich.corpus_table builds the sentence table in Spark; steps.corpus_context wires the
+No Spark here (raytrain.enrich.corpus_table builds the sentence table in Spark; passes.corpus_context wires the
 search); files are read through raytrain.storage, so local paths, file:// and s3:// work alike.
 """
 

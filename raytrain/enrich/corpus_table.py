@@ -27,12 +27,12 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from raytrain.config import EnrichConfig
+from raytrain.enrich.batches import map_batches
 from raytrain.enrich.corpus import CORPUS_FORMAT, CorpusFile, CorpusIndex, build_ann, corpus_key, model_hash
-from raytrain.enrich.corpus_udfs import corpus_embed_batch, corpus_split_batch
+from raytrain.enrich.corpus_batches import corpus_embed_batch, corpus_split_batch
 from raytrain.enrich.decontam import build_sorted_index, contamination_counts
 from raytrain.enrich.relevance import default_model_path
 from raytrain.enrich.spark import spark_uri
-from raytrain.enrich.udfs import map_batches
 from raytrain.storage import RunPaths, StorageLocation
 
 log = logging.getLogger(__name__)

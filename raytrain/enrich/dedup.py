@@ -2,9 +2,9 @@
 
 Every hash here is a fixed function of the bytes (sha1, blake2b, splitmix64), never Python's per-process
 salted ``hash()``, so Spark workers on different machines agree. The Spark job computes ``exact_key``,
-``minhash_signature`` and ``lsh_band_keys`` in its first pass (udfs.prepare_batch), groups rows by band key,
-verifies each bucket with ``verified_pairs`` (udfs.verify_bucket) and clusters the verified pairs with
-``cluster_roots`` (udfs.near_duplicate_drops); ``near_duplicate_groups`` is the same rule in one process (the
+``minhash_signature`` and ``lsh_band_keys`` in its first pass (batches.prepare_batch), groups rows by band key,
+verifies each bucket with ``verified_pairs`` (batches.verify_bucket) and clusters the verified pairs with
+``cluster_roots`` (batches.near_duplicate_drops); ``near_duplicate_groups`` is the same rule in one process (the
 benchmark's single-process baseline).
 
 The MinHash and the banding are ours, not datasketch's: the Spark job needs band keys it can explode and group

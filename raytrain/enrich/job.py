@@ -4,7 +4,7 @@ and a run report.
     read -> pass 1 (derive, license, dedup keys, eval n-grams) -> dedup (narrow) -> pass 2 (selection, corpus
     context, tokenization) -> write enriched, write quarantine -> two statistics rollups
 
-``steps.py`` has the passes. Every row carries a status ("ok" or its quarantine reason) from pass 1 on; the
+``passes.py`` has the passes. Every row carries a status ("ok" or its quarantine reason) from pass 1 on; the
 per-step counts come from one aggregation of it, and the job checks on the written Parquet footers that no row
 went missing: rows in == enriched + quarantined. Spark actions per enrichment (no corpus): the near-duplicate
 flags' count (which runs pass 1, the LSH buckets and the clustering), one per write, two statistics rollups, and
@@ -36,11 +36,11 @@ import pyarrow.parquet as pq
 
 from raytrain.config import JobConfig
 from raytrain.console import QUIET
+from raytrain.enrich.batches import CONTAMINATED, OK
 from raytrain.enrich.conversation import QUARANTINE_REASONS
 from raytrain.enrich.decontam import build_sorted_index
 from raytrain.enrich.plan import EnrichPlan, EvalSets, plan_enrichment
 from raytrain.enrich.report import STEP_REASONS_AFTER_DERIVE, Tally, build_report, step_counts, summary_text
-from raytrain.enrich.udfs import CONTAMINATED, OK
 from raytrain.storage import MANIFEST, RunPaths, StorageLocation
 from raytrain.telemetry import record_enrich_step, record_quarantine
 
@@ -68,7 +68,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     """
     from pyspark.sql import functions as F
 
-    from raytrain.enrich import steps
+    from raytrain.enrich import passes
     from raytrain.enrich.spark import spark_uri
 
     t_start = time.perf_counter()
@@ -83,51 +83,51 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     enriched, quarantine = RunPaths(run_root).enriched, RunPaths(run_root).quarantine
     sc = spark.sparkContext
     eval_array = sc.broadcast(build_sorted_index(plan.eval_index))
-    passes: dict[str, float] = {}
+    pass_seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    raw = steps.read_inputs(spark, {k: [spark_uri(loc) for loc in v] for k, v in plan.inputs.files.items()},
+    raw = passes.read_inputs(spark, {k: [spark_uri(loc) for loc in v] for k, v in plan.inputs.files.items()},
                             job.data.max_rows, {k: v["schema"] for k, v in plan.footers.items()})
-    prepared = steps.prepare(raw, eval_array, job)
-    dups = steps.duplicates(spark, prepared, job)  # its one Spark job runs pass 1
-    passes["prepare_and_dedup"] = time.perf_counter() - t0
+    prepared = passes.prepare(raw, eval_array, job)
+    dups = passes.duplicates(spark, prepared, job)  # its one Spark job runs pass 1
+    pass_seconds["prepare_and_dedup"] = time.perf_counter() - t0
     log.info("enrich: pass 1 (derive, license, dedup keys, eval n-grams) and near-dup clustering (LSH buckets, "
-             "components) over %d rows (%.1fs)", plan.rows_in, passes["prepare_and_dedup"])
+             "components) over %d rows (%.1fs)", plan.rows_in, pass_seconds["prepare_and_dedup"])
 
-    corpus, shipped = _corpus_table(spark, job, plan, run_root, passes)
+    corpus, shipped = _corpus_table(spark, job, plan, run_root, pass_seconds)
 
     t0 = time.perf_counter()
     retrieve_seconds = sc.accumulator(0.0)
-    finished = steps.finish(prepared, dups.flags, job, corpus=shipped, eval_index=eval_array,
+    finished = passes.finish(prepared, dups.flags, job, corpus=shipped, eval_index=eval_array,
                             retrieve_seconds=retrieve_seconds)
-    finished.filter(F.col("status") == OK).select(*steps.enriched_columns(bool(corpus))) \
+    finished.filter(F.col("status") == OK).select(*passes.enriched_columns(bool(corpus))) \
         .write.mode("overwrite").parquet(spark_uri(enriched))
     prepared.unpersist()
     dups.unpersist()
-    passes["finish"] = time.perf_counter() - t0
+    pass_seconds["finish"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    steps.quarantined(finished).write.mode("overwrite").parquet(spark_uri(quarantine))
-    passes["write_quarantine"] = time.perf_counter() - t0
+    passes.quarantined(finished).write.mode("overwrite").parquet(spark_uri(quarantine))
+    pass_seconds["write_quarantine"] = time.perf_counter() - t0
     log.info("enrich: pass 2 (selection%s, tokenization) wrote %s (%.1fs) and %s (%.1fs)",
-             ", corpus context" if corpus else "", enriched.uri, passes["finish"], quarantine.uri,
-             passes["write_quarantine"])
+             ", corpus context" if corpus else "", enriched.uri, pass_seconds["finish"], quarantine.uri,
+             pass_seconds["write_quarantine"])
 
     t0 = time.perf_counter()
     tally = _tally(finished, job, plan, enriched, quarantine)
     if corpus:
         corpus.update(_corpus_statistics(finished, shipped.value, cfg, retrieve_seconds.value))
-    passes["statistics"] = time.perf_counter() - t0
-    log.info("enrich: report statistics computed (%.1fs)", passes["statistics"])
-    for name, seconds in passes.items():
-        record_enrich_step(job.storage.run_name, name, plan.rows_in, seconds)  # dashboard: rows/s per pass
-    report = build_report(job, plan, tally, passes, corpus, run_root=run_root, enriched=enriched,
+    pass_seconds["statistics"] = time.perf_counter() - t0
+    log.info("enrich: report statistics computed (%.1fs)", pass_seconds["statistics"])
+    for name, took in pass_seconds.items():
+        record_enrich_step(job.storage.run_name, name, plan.rows_in, took)  # dashboard: rows/s per pass
+    report = build_report(job, plan, tally, pass_seconds, corpus, run_root=run_root, enriched=enriched,
                           quarantine=quarantine, seconds=time.perf_counter() - t_start)
     _commit(job, plan, tally, report, enriched, quarantine, run_root)
     finished.unpersist()
     return EnrichResult(enriched=enriched, quarantine=quarantine, report=report, evals=plan.evals)
 
 
-def _corpus_table(spark, job: JobConfig, plan: EnrichPlan, run_root: StorageLocation, passes: dict[str, float]
+def _corpus_table(spark, job: JobConfig, plan: EnrichPlan, run_root: StorageLocation, pass_seconds: dict[str, float]
                   ) -> tuple[dict[str, Any], Any]:
     """The corpus sentence table (embedded now or reused) and its search index, broadcast to the executors:
     (the report's corpus facts so far, the broadcast), or ({}, None) without enrich.context_corpus."""
@@ -143,7 +143,7 @@ def _corpus_table(spark, job: JobConfig, plan: EnrichPlan, run_root: StorageLoca
     corpus = {"table_uri": folder.uri, "table": meta, "reused": reused, "index": index.stats,
               "sentences_embedded_this_run": 0 if reused else meta["sentences"],
               "prepare_seconds": round(time.perf_counter() - t0, 2)}
-    passes["corpus_table"] = corpus["prepare_seconds"]
+    pass_seconds["corpus_table"] = corpus["prepare_seconds"]
     return corpus, spark.sparkContext.broadcast(index)
 
 
@@ -152,23 +152,23 @@ def _corpus_statistics(finished, index, cfg, retrieve_seconds: float) -> dict[st
     search's recall against exact search, the most-used documents."""
     from pyspark.sql import functions as F
 
-    from raytrain.enrich import steps
+    from raytrain.enrich import passes
     from raytrain.enrich.corpus_table import ann_recall
 
     recall = ann_recall(finished.filter(F.col("status") == OK), index, cfg) if index.ann is not None else None
     return {"retrieve_seconds": round(retrieve_seconds, 2), "recall": recall,
-            "top_documents": steps.top_documents(finished)}
+            "top_documents": passes.top_documents(finished)}
 
 
 def _tally(finished, job: JobConfig, plan: EnrichPlan, enriched: StorageLocation, quarantine: StorageLocation
            ) -> Tally:
     """Two statistics rollups over the finished rows, then the footers of what was written: every row in is
     either enriched or quarantined (checked on the files), else AssertionError."""
-    from raytrain.enrich import steps
+    from raytrain.enrich import passes
 
     reasons = (*QUARANTINE_REASONS, *STEP_REASONS_AFTER_DERIVE)
-    rows = steps.row_stats(finished, job.dataset.seq_len, reasons, bool(plan.corpus_files))
-    sentences = steps.sentence_stats(finished, bool(plan.corpus_files))
+    rows = passes.row_stats(finished, job.dataset.seq_len, reasons, bool(plan.corpus_files))
+    sentences = passes.sentence_stats(finished, bool(plan.corpus_files))
     status = rows["overall"].get("status", {})
     if status.get("other"):
         raise AssertionError(f"enrich: {status['other']} rows with a status outside the known reasons (a bug)")

@@ -3,7 +3,7 @@
 In:  the raw input DataFrame (uuid, license, category, reasoning, messages, ...), ``max_chars``, ``max_turns``.
 Out: the same rows plus ``guard_reason`` / ``guard_detail`` (null for a row that passes). A refused row leaves
      with its uuid and category only (made valid UTF-8, at most 200 characters); its other text columns become
-     null, so its bytes stop in the JVM and the first pass (udfs.prepare_batch) quarantines it with that reason.
+     null, so its bytes stop in the JVM and the first pass (batches.prepare_batch) quarantines it with that reason.
 
 Why in the JVM: Spark hands rows to Python in Arrow batches cut by row count only
 (spark.sql.execution.arrow.maxRecordsPerBatch; Spark 3.5 has no bytes-based setting), so one 50 MB row would
@@ -28,8 +28,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from raytrain.dataset.conversation_rules import UNDECODABLE_TEXT
+from raytrain.enrich.batches import GUARD_DETAIL, GUARD_REASON
 from raytrain.enrich.conversation import TOO_LONG, TOO_LONG_DETAIL, TOO_MANY_TURNS, TOO_MANY_TURNS_DETAIL
-from raytrain.enrich.udfs import GUARD_DETAIL, GUARD_REASON
 
 KEPT_CHARS = 200
 """Characters of a refused row's uuid and category kept for the quarantine record."""

@@ -1,5 +1,5 @@
 """The Arrow schema of the raw Nemotron-Post-Training-Dataset-v1 rows the enrichment reads (the tables the enrichment
-writes are described in raytrain.enrich.udfs; the message roles and the conversation rules in
+writes are described in raytrain.enrich.batches; the message roles and the conversation rules in
 raytrain.dataset.conversation_rules).
 
 Pure pyarrow; no Spark. ``validate_schema`` runs on each input file's schema before any row is read, so a file

@@ -262,7 +262,7 @@ def test_near_duplicate_chains_and_stars_collapse_in_spark(spark):
     and only the two counts reached the driver."""
     import numpy as np
 
-    from raytrain.enrich import steps, udfs
+    from raytrain.enrich import batches, passes
 
     rng = np.random.default_rng(7)
 
@@ -277,23 +277,23 @@ def test_near_duplicate_chains_and_stars_collapse_in_spark(spark):
     d = changed(c, 30)
     sigs = {"a": a, "b": b, "c": c, "d": d, "e": e, "f": changed(e, 0), "g": changed(e, 15), "h": changed(e, 30),
             "x": x}
-    rows = [(i, uuid, udfs.OK, f"key-{uuid}", sig.tobytes(), [1]) for i, (uuid, sig) in enumerate(sigs.items())]
-    rows += [(20, "y1", udfs.OK, "same", x.tobytes(), [2]), (21, "y2", udfs.OK, "same", x.tobytes(), [2])]
+    rows = [(i, uuid, batches.OK, f"key-{uuid}", sig.tobytes(), [1]) for i, (uuid, sig) in enumerate(sigs.items())]
+    rows += [(20, "y1", batches.OK, "same", x.tobytes(), [2]), (21, "y2", batches.OK, "same", x.tobytes(), [2])]
     prepared = spark.createDataFrame(rows, "row_id long, uuid string, status string, exact_key string, "
                                            "signature binary, band_keys array<bigint>")
     job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2"])
-    dups = steps.duplicates(spark, prepared, job)
+    dups = passes.duplicates(spark, prepared, job)
     try:
         got = {r["row_id"]: (r["dup_reason"], r["dup_detail"]) for r in dups.flags.collect()}
     finally:
         dups.unpersist()
     uuid = {i: u for i, u in enumerate(sigs)}
-    near = {uuid[i]: detail for i, (reason, detail) in got.items() if reason == udfs.NEAR_DUPLICATE}
+    near = {uuid[i]: detail for i, (reason, detail) in got.items() if reason == batches.NEAR_DUPLICATE}
     assert sorted(near) == ["b", "c", "d", "f", "g", "h"]  # a and e kept; x alone
     assert all(near[m].startswith("near-duplicate of a ") for m in "bcd")
     assert all(near[m].startswith("near-duplicate of e ") for m in "fgh")
     assert near["d"].endswith("estimated Jaccard 0.883 with c)")  # its one link
-    assert got[21] == (udfs.EXACT_DUPLICATE, "duplicate of y1 (same normalized text)")
+    assert got[21] == (batches.EXACT_DUPLICATE, "duplicate of y1 (same normalized text)")
     assert len(got) == 7
     assert (dups.pairs, dups.near_drops) == (6, 6)  # a~b, b~c, c~d, e~f, e~g, e~h; nothing else reaches 0.8
 

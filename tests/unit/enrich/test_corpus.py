@@ -1,4 +1,4 @@
-"""Context from a corpus, the pure parts (raytrain.enrich.corpus, corpus_udfs): input checks before Spark, the
+"""Context from a corpus, the pure parts (raytrain.enrich.corpus, corpus_batches): input checks before Spark, the
 cache key, documents -> sentences, exact and approximate search, retrieval with the selection's score (checked
 against sentence_transformers.util.cos_sim), the block's eval check, and the sample corpus."""
 
@@ -184,7 +184,7 @@ def _rows(rows):
 def test_corpus_context_batch_adds_the_answering_sentence(model):
     from sentence_transformers import util
 
-    from raytrain.enrich.corpus_udfs import corpus_context_batch
+    from raytrain.enrich.corpus_batches import corpus_context_batch
 
     corpus = ["The Ostvik ferry leaves the north pier at seven every morning.",
               "Bakers in Quillan use rye flour from the valley mills.",
@@ -209,7 +209,7 @@ def test_corpus_context_batch_adds_the_answering_sentence(model):
 
 
 def test_block_eval_check_drops_sentences_that_join_into_an_eval_ngram(model):
-    from raytrain.enrich.corpus_udfs import corpus_context_batch
+    from raytrain.enrich.corpus_batches import corpus_context_batch
 
     item = "one two three four five six seven eight nine ten eleven twelve thirteen"
     corpus = ["The ferry counts one two three four five six seven.", "Eight nine ten eleven twelve thirteen follow."]

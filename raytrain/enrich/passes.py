@@ -8,7 +8,7 @@
 
 Every row carries a ``status`` column from the first pass on ("ok" or the reason it is quarantined), so every row
 leaves through exactly one door and the per-step counts come from one aggregation of that column. Per-batch row
-logic is in ``udfs.py`` (plain pandas, unit-tested), whose pyarrow schemas describe the tables; this module only
+logic is in ``batches.py`` (plain pandas, unit-tested), whose pyarrow schemas describe the tables; this module only
 wires it into Spark. Only the enrich stage imports pyspark.
 """
 
@@ -26,7 +26,7 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from raytrain.config import JobConfig
-from raytrain.enrich import udfs
+from raytrain.enrich import batches
 from raytrain.enrich.conversation import MAX_TURNS
 from raytrain.enrich.dedup import lsh_params
 from raytrain.enrich.row_guard import guard_rows
@@ -39,11 +39,11 @@ TORCH_THREADS_PER_TASK = 1
 """Torch threads of each Python worker. Spark runs ``executor_cores`` tasks at once per executor (spark.task.cpus
 is 1), each in its own Python worker: one thread each keeps workers x threads = the executor's cores."""
 ROW_COLUMNS = ("uuid", "split", "category", "license", "reasoning", "context", "question", "answer")
-"""The enriched table's identity and derived-text columns; the audit columns come from udfs' schemas."""
+"""The enriched table's identity and derived-text columns; the audit columns come from batches. schemas."""
 
 
 def spark_schema(schema: pa.Schema) -> T.StructType:
-    """A udfs pyarrow schema as the Spark schema mapInPandas / applyInPandas declare."""
+    """A batches pyarrow schema as the Spark schema mapInPandas / applyInPandas declare."""
     return from_arrow_schema(schema)
 
 
@@ -73,20 +73,20 @@ def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
 
 
 def prepare(raw: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
-    """Pass 1 (udfs.prepare_batch) over every raw row, spread over enrich.num_partitions, after row_guard refused
+    """Pass 1 (batches.prepare_batch) over every raw row, spread over enrich.num_partitions, after row_guard refused
     in the JVM the rows Python must not receive; ``eval_index`` is the broadcast sorted eval n-gram array. Persisted: the dedup reads its narrow columns, the finishing pass the rest."""
     cfg = job.enrich
     bands, rows = lsh_params(cfg.near_dup_threshold, NUM_PERM)
 
     def body(batches):
         for pdf in batches:
-            yield udfs.prepare_batch(pdf, max_chars=cfg.max_chars, licenses=cfg.licenses, num_perm=NUM_PERM,
+            yield batches.prepare_batch(pdf, max_chars=cfg.max_chars, licenses=cfg.licenses, num_perm=NUM_PERM,
                                      bands=bands, rows=rows, shingle_chars=SHINGLE_CHARS, eval_index=eval_index.value,
                                      ngram=cfg.decontam_ngram)
 
     # The guard runs before the shuffle: a refused row crosses it (and reaches Python) without its text.
     guarded = guard_rows(raw, cfg.max_chars, MAX_TURNS)
-    prepared = guarded.repartition(cfg.num_partitions).mapInPandas(body, schema=spark_schema(udfs.PREPARED))
+    prepared = guarded.repartition(cfg.num_partitions).mapInPandas(body, schema=spark_schema(batches.PREPARED))
     return prepared.persist(StorageLevel.MEMORY_AND_DISK)
 
 
@@ -108,36 +108,36 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Dupl
     Exact: rows with the same key keep the smallest (uuid, row_id) (a window over the key, in Spark). Near, among
     the exact survivors: rows sharing an LSH band key are candidates, each bucket verified in applyInPandas
     (estimated Jaccard >= enrich.near_dup_threshold), and the verified pairs are clustered in one Spark task
-    (udfs.near_duplicate_drops: connected components, so a chain a~b~c is one cluster even when a and c differ
+    (batches.near_duplicate_drops: connected components, so a chain a~b~c is one cluster even when a and c differ
     more; each keeps its smallest (uuid, row_id)). Reads only the narrow columns (ids, keys, signatures). Nothing
     comes to the driver but the two counts.
 
     One task, not large-star/small-star rounds in Spark: it holds only the verified pairs (~100 bytes each), and
     each round would be a Spark job of its own (docs/decisions.md, 'Near-duplicate clusters in one Spark task')."""
     threshold = job.enrich.near_dup_threshold
-    ok = prepared.filter(F.col("status") == udfs.OK).select("row_id", "uuid", "exact_key", "signature", "band_keys")
+    ok = prepared.filter(F.col("status") == batches.OK).select("row_id", "uuid", "exact_key", "signature", "band_keys")
     w = Window.partitionBy("exact_key").orderBy("uuid", "row_id")
     ranked = ok.withColumn("_rank", F.row_number().over(w)).withColumn("_kept_uuid", F.first("uuid").over(w))
     exact = ranked.filter(F.col("_rank") > 1).select(
-        "row_id", F.lit(udfs.EXACT_DUPLICATE).alias("dup_reason"),
+        "row_id", F.lit(batches.EXACT_DUPLICATE).alias("dup_reason"),
         F.concat(F.lit("duplicate of "), F.col("_kept_uuid"), F.lit(" (same normalized text)")).alias("dup_detail"))
     survivors = ranked.filter(F.col("_rank") == 1)
     exploded = survivors.select("row_id", "uuid", "signature", F.explode("band_keys").alias("band_key"))
     candidates = exploded.withColumn("_n", F.count("*").over(Window.partitionBy("band_key"))).filter(
         F.col("_n") > 1).drop("_n")
     pairs = candidates.groupBy("band_key").applyInPandas(
-        lambda pdf: udfs.verify_bucket(pdf, threshold), schema=spark_schema(udfs.PAIRS),
+        lambda pdf: batches.verify_bucket(pdf, threshold), schema=spark_schema(batches.PAIRS),
     ).dropDuplicates(["a_row_id", "b_row_id"])
     num_pairs, num_drops = spark.sparkContext.accumulator(0), spark.sparkContext.accumulator(0)
 
     def components(pdf):
-        drops = udfs.near_duplicate_drops(pdf)
+        drops = batches.near_duplicate_drops(pdf)
         num_pairs.add(len(pdf))
         num_drops.add(len(drops))
         return drops
 
     near = pairs.groupBy(F.lit(0)).applyInPandas(components, schema="row_id long, dup_detail string").select(
-        "row_id", F.lit(udfs.NEAR_DUPLICATE).alias("dup_reason"), "dup_detail").persist(StorageLevel.MEMORY_AND_DISK)
+        "row_id", F.lit(batches.NEAR_DUPLICATE).alias("dup_reason"), "dup_detail").persist(StorageLevel.MEMORY_AND_DISK)
     # Only the near half here: a job over both halves would run their two shuffles of `prepared` (pruned to
     # different columns, so not one reused exchange) as concurrent stages, each computing pass 1's partitions it
     # finds uncached; pass 2 then reads the exact half's columns from the cache.
@@ -153,20 +153,20 @@ def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = 
            eval_index: Any = None, retrieve_seconds: Any = None) -> DataFrame:
     """Pass 2: every row with its final verdict (derive/license from pass 1, then exact or near duplicate, then
     contaminated), hash-partitioned by uuid and sorted by uuid within each partition (the written files' order,
-    deterministic without a global sort), through udfs.finish_batch. ``corpus``: the broadcast CorpusIndex when
+    deterministic without a global sort), through batches.finish_batch. ``corpus``: the broadcast CorpusIndex when
     enrich.context_corpus is set (``eval_index`` then the broadcast eval array); ``retrieve_seconds``, a Spark
     accumulator, sums the seconds its tasks spend in the corpus retrieval. Persisted: the enriched and quarantine
     writes and the statistics read it."""
     cfg, ds = job.enrich, job.dataset
     n = cfg.decontam_ngram
-    status = (F.when(F.col("status") != udfs.OK, F.col("status")).when(F.col("dup_reason").isNotNull(), F.col("dup_reason"))
-              .when(F.col("eval_ngrams") > 0, F.lit(udfs.CONTAMINATED)).otherwise(F.lit(udfs.OK)))
-    detail = (F.when(F.col("status") != udfs.OK, F.col("detail")).when(F.col("dup_reason").isNotNull(), F.col("dup_detail"))
+    status = (F.when(F.col("status") != batches.OK, F.col("status")).when(F.col("dup_reason").isNotNull(), F.col("dup_reason"))
+              .when(F.col("eval_ngrams") > 0, F.lit(batches.CONTAMINATED)).otherwise(F.lit(batches.OK)))
+    detail = (F.when(F.col("status") != batches.OK, F.col("detail")).when(F.col("dup_reason").isNotNull(), F.col("dup_detail"))
               .when(F.col("eval_ngrams") > 0, F.concat(F.col("eval_ngrams").cast("string"),
                                                        F.lit(f" distinct {n}-grams shared with the eval sets")))
               .otherwise(F.lit("")))
     verdict = {"status": status.alias("status"), "detail": detail.alias("detail")}
-    rows = prepared.join(flags, "row_id", "left").select(*(verdict.get(c, F.col(c)) for c in udfs.ROW.names))
+    rows = prepared.join(flags, "row_id", "left").select(*(verdict.get(c, F.col(c)) for c in batches.ROW.names))
     rows = rows.repartition(cfg.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
     select = {"model_path": cfg.embedding_model, "batch_size": cfg.embed_batch_size, "top_k": cfg.top_k,
               "min_score": cfg.min_score, "question_weight": cfg.question_weight, "system_prompt": cfg.system_prompt,
@@ -182,11 +182,11 @@ def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = 
             "num_threads": TORCH_THREADS_PER_TASK}
         for pdf in batches:
             seconds: dict[str, float] = {}
-            yield udfs.finish_batch(pdf, select=select, tokenize=tokenize, corpus=retrieval, seconds=seconds)
+            yield batches.finish_batch(pdf, select=select, tokenize=tokenize, corpus=retrieval, seconds=seconds)
             if retrieve_seconds is not None and "corpus" in seconds:
                 retrieve_seconds.add(seconds["corpus"])
 
-    schema = spark_schema(udfs.finished_schema(corpus is not None))
+    schema = spark_schema(batches.finished_schema(corpus is not None))
     return rows.mapInPandas(body, schema=schema).persist(StorageLevel.MEMORY_AND_DISK)
 
 
@@ -234,17 +234,17 @@ def row_stats(finished: DataFrame, seq_len: int, reasons: Sequence[str], corpus:
     system prompt changed or tool-call text dropped (and with a corpus, rows per corpus path, sentences added and
     dropped at the block's eval check); over the rows tokenized (kept or refused for length) the token-length
     distribution and what the length policy did: rows and tokens dropped, truncated, split and their chunks."""
-    from raytrain.enrich.corpus_udfs import CORPUS_PATHS
+    from raytrain.enrich.corpus_batches import CORPUS_PATHS
 
     status = F.col("status")
-    kept = status == udfs.OK
+    kept = status == batches.OK
     tokenized = F.col("num_tokens") >= 0
     act = F.col("length_action")
     removed = F.col("num_tokens") - F.col("train_tokens")
     kept_sums = ("texts_chunked", "system_prompt_chars_removed", "dropped_text_turns", "dropped_text_chars")
     aggs = [
-        *(_count_if(status == r, f"n_{r}") for r in (udfs.OK, *reasons)),
-        _count_if(~status.isin(udfs.OK, *reasons), "n_other"),
+        *(_count_if(status == r, f"n_{r}") for r in (batches.OK, *reasons)),
+        _count_if(~status.isin(batches.OK, *reasons), "n_other"),
         *_agg(F.when(kept, F.col("num_tokens")), "tok"), *_agg(F.when(tokenized, F.col("num_tokens")), "len"),
         _count_if(kept & (F.size("context_sentences") > 0), "rows_with_candidates"),
         _count_if(kept & (F.size("kept_sentences") > 0), "rows_with_context_added"),
@@ -268,8 +268,8 @@ def row_stats(finished: DataFrame, seq_len: int, reasons: Sequence[str], corpus:
                  _count_if(kept, "dropped_for_eval", F.col("corpus_dropped_for_eval"))]
 
     def convert(r) -> dict[str, Any]:
-        out = {"status": {k: int(r[f"n_{k}"] or 0) for k in (udfs.OK, *reasons, "other") if r[f"n_{k}"]},
-               "rows": int(r[f"n_{udfs.OK}"] or 0), "tokens": _dist(r, "tok", as_int=True),
+        out = {"status": {k: int(r[f"n_{k}"] or 0) for k in (batches.OK, *reasons, "other") if r[f"n_{k}"]},
+               "rows": int(r[f"n_{batches.OK}"] or 0), "tokens": _dist(r, "tok", as_int=True),
                **{k: int(r[k] or 0) for k in ("rows_with_candidates", "rows_with_context_added", "rows_chunked",
                                               "system_prompts_changed", "dropped_text_rows", *kept_sums)},
                "length": {"tokens": _dist(r, "len", as_int=True),
@@ -290,7 +290,7 @@ def sentence_stats(finished: DataFrame, corpus: bool) -> dict[str, Any]:
     answer similarities, and with a corpus of the added corpus sentences' combined/question/answer scores.
     ``"empty"``: the same dict with every distribution empty, for a split without sentences (and "overall" is that
     when no row had any)."""
-    kept = finished.filter(F.col("status") == udfs.OK)
+    kept = finished.filter(F.col("status") == batches.OK)
     own = kept.select("split", F.lit("own").alias("kind"), F.explode(F.arrays_zip(
         F.col("sentence_scores").alias("s"), F.col("question_scores").alias("q"), F.col("answer_scores").alias("a"),
         F.expr("transform(sentence_scores, (s, i) -> array_contains(kept_indices, i))").alias("kept"),
@@ -320,7 +320,7 @@ def sentence_stats(finished: DataFrame, corpus: bool) -> dict[str, Any]:
 
 def top_documents(finished: DataFrame, n: int = 10) -> list[dict[str, Any]]:
     """The corpus documents most used by the kept rows: sentences added from each and rows they went to."""
-    kept = finished.filter(F.col("status") == udfs.OK)
+    kept = finished.filter(F.col("status") == batches.OK)
     return [{"doc_id": r["doc_id"], "sentences_added": int(r["count"]), "rows": int(r["rows"])} for r in
             kept.select("uuid", F.explode("corpus_doc_ids").alias("doc_id")).groupBy("doc_id")
             .agg(F.count("*").alias("count"), F.countDistinct("uuid").alias("rows"))
@@ -329,11 +329,11 @@ def top_documents(finished: DataFrame, n: int = 10) -> list[dict[str, Any]]:
 
 def enriched_columns(corpus: bool) -> list[str]:
     """The enriched table as written: identity, derived text, selection (and corpus) audit, tokens, messages."""
-    return [*ROW_COLUMNS, *udfs.SELECTION.names, *(udfs.CORPUS.names if corpus else ()),
-            *udfs.TOKENS.names, "messages_json"]
+    return [*ROW_COLUMNS, *batches.SELECTION.names, *(batches.CORPUS.names if corpus else ()),
+            *batches.TOKENS.names, "messages_json"]
 
 
 def quarantined(finished: DataFrame) -> DataFrame:
     """The quarantine table as written: ``uuid, split, category, reason, detail`` of every row not kept."""
-    return finished.filter(F.col("status") != udfs.OK).select(
+    return finished.filter(F.col("status") != batches.OK).select(
         "uuid", "split", "category", F.col("status").alias("reason"), "detail")

@@ -1,11 +1,11 @@
 """The per-batch bodies Spark runs in its Python workers (mapInPandas / applyInPandas), as plain pandas functions.
 
 No pyspark import: each function takes a ``pandas.DataFrame`` batch and returns one, so it is unit-tested without
-a JVM. The Spark wiring (schemas, joins, aggregations) lives in ``steps.py``; the row logic comes from the pure
+a JVM. The Spark wiring (schemas, joins, aggregations) lives in ``passes.py``; the row logic comes from the pure
 modules next to this one (conversation, dedup, decontam, relevance, sentences) and from raytrain.dataset.tokenize.
 
 The enrichment has two row passes, and the tables they produce are described once, here, as pyarrow schemas
-(steps.py hands them to Spark): ``PREPARED`` (``prepare_batch``: derive, license, exact-dedup key, MinHash
+(passes.py hands them to Spark): ``PREPARED`` (``prepare_batch``: derive, license, exact-dedup key, MinHash
 signature and LSH band keys, eval n-gram count, for every input row) and ``finished_schema()`` (``finish_batch``: the
 relevance selection, the corpus context, the tokenization with its token ids and loss mask, for the rows still
 kept; the others pass through with their quarantine reason). ``status`` is "ok" or the reason a row is
@@ -39,7 +39,7 @@ OK = "ok"
 GUARD_REASON = "guard_reason"
 GUARD_DETAIL = "guard_detail"
 """The columns raytrain.enrich.row_guard adds (named here too: this module imports no pyspark)."""
-# Quarantine reasons decided here and in steps.py (raytrain.dataset.reasons lists them all).
+# Quarantine reasons decided here and in passes.py (raytrain.dataset.reasons lists them all).
 LICENSE = Reason.LICENSE
 EXACT_DUPLICATE = Reason.EXACT_DUPLICATE
 NEAR_DUPLICATE = Reason.NEAR_DUPLICATE
@@ -64,7 +64,7 @@ CORPUS = pa.schema([("corpus_path", pa.string()), ("corpus_doc_ids", pa.list_(pa
                     ("corpus_sentence_indices", pa.list_(pa.int64())), ("corpus_sentences", pa.list_(pa.string())),
                     ("corpus_scores", pa.list_(pa.float32())), ("corpus_question_scores", pa.list_(pa.float32())),
                     ("corpus_answer_scores", pa.list_(pa.float32())), ("corpus_dropped_for_eval", pa.int64())])
-"""``corpus_udfs.corpus_context_batch``'s audit columns (with enrich.context_corpus)."""
+"""``corpus_batches.corpus_context_batch``'s audit columns (with enrich.context_corpus)."""
 TOKENS = pa.schema([("num_tokens", pa.int64()), ("train_tokens", pa.int64()), ("dropped_text_turns", pa.int64()),
                     ("dropped_text_chars", pa.int64()), ("length_action", pa.string()),
                     ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.bool_()))])
@@ -320,7 +320,7 @@ def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[st
     """Rows of the finishing pass (PREPARED's row columns with the final dedup/decontamination verdict in
     ``status``) -> ``finished_schema(corpus is not None)`` rows in the same order.
 
-    Rows with status "ok" go through ``select_batch(**select)``, ``corpus_udfs.corpus_context_batch(**corpus)``
+    Rows with status "ok" go through ``select_batch(**select)``, ``corpus_batches.corpus_context_batch(**corpus)``
     (with a corpus) and ``tokenize_batch(**tokenize)``, which may still quarantine them; rows that
     ``refused_before_context`` finds refused already are tokenized as they stand and quarantined without being
     embedded (their token count and detail are the conversation's without a context block, and the detail says so).
@@ -338,7 +338,7 @@ def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[st
         if len(rest_ok):
             ok = select_batch(rest_ok, **select)
             if corpus is not None:
-                from raytrain.enrich.corpus_udfs import corpus_context_batch
+                from raytrain.enrich.corpus_batches import corpus_context_batch
 
                 t0 = time.perf_counter()
                 ok = corpus_context_batch(ok, **corpus)

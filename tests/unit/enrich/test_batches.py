@@ -1,4 +1,4 @@
-"""The per-batch functions Spark runs (raytrain.enrich.udfs), on pandas batches shaped as Spark's Arrow batches are,
+"""The per-batch functions Spark runs (raytrain.enrich.batches), on pandas batches shaped as Spark's Arrow batches are,
 checked against the pure reference functions, networkx, sentence-transformers and mistral-common."""
 
 import json
@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytrain.config import EnrichConfig
-from raytrain.enrich import udfs
+from raytrain.enrich import batches
 from raytrain.enrich.conversation import Example, derive_example
 from raytrain.enrich.decontam import build_eval_index, build_sorted_index, tokenize
 from raytrain.enrich.dedup import exact_key, lsh_band_keys, minhash_signature
@@ -46,11 +46,11 @@ PREPARE = {"max_chars": EnrichConfig().max_chars, "licenses": ["MIT", "cc-by-4.0
 def _work_row(uuid, messages, **kw):
     ex = derive_example({"uuid": uuid, "license": "mit", "category": "chat", "messages": messages})
     assert isinstance(ex, Example), ex
-    out = udfs.prepare_batch(pd.DataFrame([{"uuid": uuid, "license": "mit", "category": "chat", "reasoning": "off",
+    out = batches.prepare_batch(pd.DataFrame([{"uuid": uuid, "license": "mit", "category": "chat", "reasoning": "off",
                                             "messages": messages, "row_id": kw.get("row_id", 0), "split": "chat"}]),
                              eval_index=build_sorted_index([]), **PREPARE)
-    assert out["status"].tolist() == [udfs.OK]
-    return out[list(udfs.ROW.names)]
+    assert out["status"].tolist() == [batches.OK]
+    return out[list(batches.ROW.names)]
 
 
 def test_prepare_batch_matches_the_reference_functions(sample_batch):
@@ -58,14 +58,14 @@ def test_prepare_batch_matches_the_reference_functions(sample_batch):
     texts = [ex.full_text() for ex in (derive_example(r) for r in rows) if isinstance(ex, Example)]
     eval_hashes = build_eval_index(texts[:2], 13)  # two rows' text as the eval set: those two are contaminated
     eval_ngrams = set().union(*(_ngrams(t) for t in texts[:2]))
-    out = udfs.prepare_batch(pdf, eval_index=build_sorted_index(eval_hashes), **PREPARE)
-    assert list(out.columns) == udfs.PREPARED.names and len(out) == len(rows)
-    pa.Table.from_pandas(out, schema=udfs.PREPARED, preserve_index=False)  # the schema Spark is told holds
+    out = batches.prepare_batch(pdf, eval_index=build_sorted_index(eval_hashes), **PREPARE)
+    assert list(out.columns) == batches.PREPARED.names and len(out) == len(rows)
+    pa.Table.from_pandas(out, schema=batches.PREPARED, preserve_index=False)  # the schema Spark is told holds
     verdicts = set()
     for got, row in zip(out.to_dict("records"), rows, strict=True):
         ref = derive_example(row)
         if isinstance(ref, Example) and ref.license.strip().lower() in ("mit", "cc-by-4.0"):
-            assert got["status"] == udfs.OK
+            assert got["status"] == batches.OK
             assert (got["uuid"], got["context"], got["question"], got["answer"]) == \
                 (ref.uuid, ref.context, ref.question, ref.answer)
             assert json.loads(got["messages_json"]) == list(ref.messages)
@@ -75,14 +75,14 @@ def test_prepare_batch_matches_the_reference_functions(sample_batch):
             assert list(got["band_keys"]) == lsh_band_keys(sig, 8, 4).tolist()
             assert got["eval_ngrams"] == len(_ngrams(ref.full_text()) & eval_ngrams)
         elif isinstance(ref, Example):
-            assert got["status"] == udfs.LICENSE and f"license '{ref.license}'" in got["detail"]
+            assert got["status"] == batches.LICENSE and f"license '{ref.license}'" in got["detail"]
         else:
             uuid = None if pd.isna(got["uuid"]) else got["uuid"]  # pandas holds a missing string as NaN
             # same verdict; the detail's wording may differ (numpy arrays print differently from lists)
             assert (got["status"], uuid) == (ref.reason, ref.uuid) and got["detail"]
             assert (got["messages_json"], got["signature"], list(got["band_keys"])) == ("", b"", [])
         verdicts.add(got["status"])
-    assert {udfs.OK, udfs.LICENSE} < verdicts and len(verdicts) >= 4
+    assert {batches.OK, batches.LICENSE} < verdicts and len(verdicts) >= 4
     assert (out["eval_ngrams"] > 0).sum() >= 2
 
 
@@ -96,7 +96,7 @@ def test_verify_bucket_matches_estimated_jaccard():
         sigs.append(s)
     pdf = pd.DataFrame({"row_id": [5, 1, 2, 3, 4], "uuid": ["e", "b", "c", "d", "a"],
                         "signature": [s.tobytes() for s in sigs]})
-    got = udfs.verify_bucket(pdf, threshold=0.8)
+    got = batches.verify_bucket(pdf, threshold=0.8)
     want = set()
     for i in range(5):
         for j in range(5):
@@ -108,7 +108,7 @@ def test_verify_bucket_matches_estimated_jaccard():
 
 
 def _pairs(edges):
-    return pd.DataFrame([(a[1], a[0], b[1], b[0], j) for a, b, j in edges], columns=udfs.PAIRS.names)
+    return pd.DataFrame([(a[1], a[0], b[1], b[0], j) for a, b, j in edges], columns=batches.PAIRS.names)
 
 
 def test_near_duplicate_drops_are_connected_components_minus_smallest():
@@ -116,7 +116,7 @@ def test_near_duplicate_drops_are_connected_components_minus_smallest():
     ids = [(f"u{rng.integers(0, 10**6):06d}", i) for i in range(60)]
     edges = [(min(ids[a], ids[b]), max(ids[a], ids[b]), float(rng.uniform(0.8, 1.0)))
              for a, b in rng.integers(0, 60, size=(45, 2)) if a != b]
-    got = udfs.near_duplicate_drops(_pairs(edges))
+    got = batches.near_duplicate_drops(_pairs(edges))
     g = nx.Graph()
     g.add_edges_from((a, b) for a, b, _ in edges)
     want = {x: min(c) for c in nx.connected_components(g) for x in c if x != min(c)}
@@ -136,18 +136,18 @@ def test_near_duplicate_chains_and_stars_keep_one_row_each():
     # smallest uuid of neither cluster a hub; row ids out of order so (uuid, row_id) order decides the kept row
     chain = [(("a", 9), ("b", 3), 0.9), (("b", 3), ("c", 1), 0.85), (("c", 1), ("d", 7), 0.82)]
     star = [(("e", 5), ("f", 2), 0.95), (("e", 5), ("g", 8), 0.81), (("e", 5), ("h", 4), 0.88)]
-    got = udfs.near_duplicate_drops(_pairs(chain + star))
+    got = batches.near_duplicate_drops(_pairs(chain + star))
     details = dict(zip(got["row_id"], got["dup_detail"], strict=True))
     assert sorted(details) == [1, 2, 3, 4, 7, 8]  # all but a (9) and e (5): one kept row per cluster
     assert details[7] == "near-duplicate of a (cluster kept; estimated Jaccard 0.820 with c)"
     assert details[1] == "near-duplicate of a (cluster kept; estimated Jaccard 0.850 with b)"
     assert details[8] == "near-duplicate of e (cluster kept; estimated Jaccard 0.810 with e)"
-    assert udfs.near_duplicate_drops(_pairs([])).empty
+    assert batches.near_duplicate_drops(_pairs([])).empty
 
 
 def _select(batch, **kw):
     args = {"model_path": "", "batch_size": 8, "top_k": 2, "min_score": 0.0, "question_weight": 0.5, **kw}
-    return udfs.select_batch(batch, **args).to_dict("records")
+    return batches.select_batch(batch, **args).to_dict("records")
 
 
 SYSTEM = ("Bananas are rich in potassium. The Eiffel Tower was finished in 1889. Penguins cannot fly. "
@@ -241,7 +241,7 @@ def test_tokenize_batch_stores_mistral_commons_ids_and_flags_what_it_refuses():
     both = [good[0], {"role": "assistant", "content": "<think>x</think>", "tool_calls": [call]},
             {"role": "tool", "content": "1", "tool_calls": []}, {"role": "assistant", "content": "ok", "tool_calls": []}]
     pdf = pd.DataFrame({"uuid": ["g", "b"], "messages_json": [json.dumps(good), json.dumps(both)]})
-    out = udfs.tokenize_batch(pdf, "v3", seq_len=64, text_with_tool_calls="quarantine")
+    out = batches.tokenize_batch(pdf, "v3", seq_len=64, text_with_tool_calls="quarantine")
     ref = load_tokenizer("v3").encode_chat_completion(
         ChatCompletionRequest(messages=[UserMessage(content="Say hi."), AssistantMessage(content="Hi!")])).tokens
     assert out["num_tokens"].tolist() == [len(ref), -1]
@@ -249,13 +249,13 @@ def test_tokenize_batch_stores_mistral_commons_ids_and_flags_what_it_refuses():
     inner = load_tokenizer("v3").instruct_tokenizer.tokenizer
     trained = [t for t, m in zip(out["input_ids"][0], out["loss_mask"][0], strict=True) if m]
     assert trained == [*inner.encode("Hi!", bos=False, eos=False), inner.eos_id]  # the loss mask: the reply only
-    assert out["status"].tolist() == [udfs.OK, udfs.UNTOKENIZABLE]
+    assert out["status"].tolist() == [batches.OK, batches.UNTOKENIZABLE]
     assert "both text content and tool_calls" in out["detail"][1]
     assert out["messages_json"].tolist() == pdf["messages_json"].tolist()
 
     # default policy: the text of the mixed turn is dropped, the call stays; messages_json says what is trained
-    out = udfs.tokenize_batch(pdf, "v3", seq_len=64)
-    assert out["status"].tolist() == [udfs.OK, udfs.OK]
+    out = batches.tokenize_batch(pdf, "v3", seq_len=64)
+    assert out["status"].tolist() == [batches.OK, batches.OK]
     assert out["dropped_text_turns"].tolist() == [0, 1]
     assert out["dropped_text_chars"].tolist() == [0, len("<think>x</think>")]
     trained = json.loads(out["messages_json"][1])
@@ -265,11 +265,11 @@ def test_tokenize_batch_stores_mistral_commons_ids_and_flags_what_it_refuses():
 
     # the length policy: seq_len just below the good row's length drops it with its count, truncate keeps it cut
     n = len(ref)
-    dropped = udfs.tokenize_batch(pdf.iloc[:1], "v3", seq_len=n - 1)
+    dropped = batches.tokenize_batch(pdf.iloc[:1], "v3", seq_len=n - 1)
     assert dropped["status"].tolist() == ["too_many_tokens"] and dropped["num_tokens"].tolist() == [n]
     assert dropped["train_tokens"].tolist() == [0] and f"{n} tokens > dataset.seq_len={n - 1}" in dropped["detail"][0]
-    cut = udfs.tokenize_batch(pdf.iloc[:1], "v3", seq_len=n - 1, length_policy="truncate")
-    assert cut["status"].tolist() == [udfs.OK] and cut["length_action"].tolist() == ["truncate"]
+    cut = batches.tokenize_batch(pdf.iloc[:1], "v3", seq_len=n - 1, length_policy="truncate")
+    assert cut["status"].tolist() == [batches.OK] and cut["length_action"].tolist() == ["truncate"]
     assert (cut["num_tokens"].tolist(), cut["train_tokens"].tolist()) == ([n], [n - 1])
 
 
@@ -278,12 +278,12 @@ def test_finish_batch_runs_the_kept_rows_and_passes_the_others_through_in_order(
             {"role": "user", "content": "What is the capital of France?", "tool_calls": []},
             {"role": "assistant", "content": "Paris.", "tool_calls": []}]
     rows = pd.concat([_work_row("z", good, row_id=1), _work_row("a", good, row_id=2)], ignore_index=True)
-    rows.loc[1, ["status", "detail"]] = [udfs.EXACT_DUPLICATE, "duplicate of z (same normalized text)"]
+    rows.loc[1, ["status", "detail"]] = [batches.EXACT_DUPLICATE, "duplicate of z (same normalized text)"]
     select = {"model_path": "", "batch_size": 16, "top_k": 1, "min_score": 0.0, "question_weight": 0.5}
-    out = udfs.finish_batch(rows, select=select, tokenize={"tokenizer_version": "v3", "seq_len": 256})
-    assert list(out.columns) == udfs.finished_schema(False).names
-    pa.Table.from_pandas(out, schema=udfs.finished_schema(False), preserve_index=False)  # what Spark is told
-    assert out["uuid"].tolist() == ["z", "a"] and out["status"].tolist() == [udfs.OK, udfs.EXACT_DUPLICATE]
+    out = batches.finish_batch(rows, select=select, tokenize={"tokenizer_version": "v3", "seq_len": 256})
+    assert list(out.columns) == batches.finished_schema(False).names
+    pa.Table.from_pandas(out, schema=batches.finished_schema(False), preserve_index=False)  # what Spark is told
+    assert out["uuid"].tolist() == ["z", "a"] and out["status"].tolist() == [batches.OK, batches.EXACT_DUPLICATE]
     kept, passed = out.iloc[0], out.iloc[1]
     assert list(kept["kept_sentences"]) == ["Paris is the capital of France."] and kept["num_tokens"] > 0
     assert len(kept["input_ids"]) == kept["num_tokens"] == len(kept["loss_mask"])
@@ -302,30 +302,30 @@ def test_finish_batch_quarantines_a_row_too_long_before_any_context_without_embe
     tokenize = {"tokenizer_version": "v3", "seq_len": 256}
 
     embedded: list[list[str]] = []  # the uuids each selection call saw: the long row must not be among them
-    real_select = udfs.select_batch
-    monkeypatch.setattr(udfs, "select_batch", lambda pdf, **kw: embedded.append(pdf["uuid"].tolist())
+    real_select = batches.select_batch
+    monkeypatch.setattr(batches, "select_batch", lambda pdf, **kw: embedded.append(pdf["uuid"].tolist())
                         or real_select(pdf, **kw))
-    out = udfs.finish_batch(rows, select=select, tokenize=tokenize)
+    out = batches.finish_batch(rows, select=select, tokenize=tokenize)
     assert embedded == [["short"]]
     assert out["uuid"].tolist() == ["long", "short"]
-    assert out["status"].tolist() == ["too_many_tokens", udfs.OK]
-    pa.Table.from_pandas(out, schema=udfs.finished_schema(False), preserve_index=False)
+    assert out["status"].tolist() == ["too_many_tokens", batches.OK]
+    pa.Table.from_pandas(out, schema=batches.finished_schema(False), preserve_index=False)
     # the same verdict as tokenizing it without context: the count is the conversation's as it stands
-    alone = udfs.tokenize_batch(rows.iloc[:1], **tokenize)
+    alone = batches.tokenize_batch(rows.iloc[:1], **tokenize)
     assert out["num_tokens"][0] == alone["num_tokens"][0] > 256
     assert out["detail"][0].startswith(alone["detail"][0]) and "before any context" in out["detail"][0]
     assert list(out["kept_sentences"][0]) == [] and list(out["input_ids"][0]) == []
 
     # and the full path (selection, then tokenization with the context block) reaches the same verdict for it
-    monkeypatch.setattr(udfs, "refused_before_context", lambda pdf, tokenize, select: pdf.iloc[:0])
-    full = udfs.finish_batch(rows, select=select, tokenize=tokenize)
+    monkeypatch.setattr(batches, "refused_before_context", lambda pdf, tokenize, select: pdf.iloc[:0])
+    full = batches.finish_batch(rows, select=select, tokenize=tokenize)
     assert full["status"].tolist() == out["status"].tolist()
     assert full["num_tokens"][0] >= out["num_tokens"][0]
     assert [list(x) for x in full["input_ids"]] == [list(x) for x in out["input_ids"]]
 
     # "select" may shrink the system prompt: nothing is decided before selection then
     embedded.clear()
-    udfs.finish_batch(rows, select={**select, "system_prompt": "select"}, tokenize=tokenize)
+    batches.finish_batch(rows, select={**select, "system_prompt": "select"}, tokenize=tokenize)
     assert embedded == [["long", "short"]]
 
 
@@ -343,8 +343,8 @@ def test_prepare_batch_quarantines_the_rows_spark_refused_without_deriving_them(
         {"uuid": "long", "license": None, "category": None, "reasoning": None, "messages": None,
          "row_id": 2, "split": "chat", "guard_reason": "too_long", "guard_detail": "5 characters > max_chars=4"},
     ])
-    out = udfs.prepare_batch(pdf, eval_index=build_sorted_index([]), **PREPARE)
-    assert out["status"].tolist() == [udfs.OK, "undecodable_text", "too_long"]
+    out = batches.prepare_batch(pdf, eval_index=build_sorted_index([]), **PREPARE)
+    assert out["status"].tolist() == [batches.OK, "undecodable_text", "too_long"]
     assert out["uuid"].tolist() == ["kept", "bad\ufffd", "long"]
     assert out["category"].tolist() == ["chat", "chat", ""]
     assert out["detail"].tolist()[1:] == [pdf["guard_detail"][1], "5 characters > max_chars=4"]
