@@ -180,8 +180,8 @@ def main() -> int:
     import torch
 
     from raytrain.config import load_job_config
-    from raytrain.enrich.decontam import load_eval_sets
     from raytrain.enrich.job import enrich_in_session
+    from raytrain.enrich.plan import load_eval_texts
     from raytrain.enrich.spark import spark_session
     from raytrain.runner import WORKER_ENV
     from raytrain.sample_data import write_sample_dataset
@@ -229,7 +229,7 @@ def main() -> int:
     for n in single_runs:
         sample = samples[n]
         rows = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
-        base = baseline_enrich(rows, job, load_eval_sets([sample.eval_path]))
+        base = baseline_enrich(rows, job, load_eval_texts((sample.eval_path,), resolve("/"), None).texts)
         figures["single"][n] = {"seconds": base["seconds"], "rows_in": len(rows), "rows_out": base["rows_out"]}
         print(f"single process {n} rows: {base['seconds']:.1f} s", flush=True)
         del rows

@@ -105,15 +105,3 @@ def iter_eval_records(paths: Sequence[str]) -> Iterator[tuple[str, dict[str, Any
                 for lineno, line in enumerate(f, 1):
                     if line.strip():
                         yield f"{path}:{lineno}", line.strip()
-
-
-def load_eval_sets(paths: Sequence[str], fields: Sequence[str] | str | None = None) -> list[str]:
-    """Eval texts from JSONL, Parquet or plain text files (``iter_eval_records``).
-
-    ``fields``: the record field(s) whose values are joined into one text; default "text" when a record has
-    it, else "question" + "answer". Raises RaytrainError naming the file (and line) on a missing file,
-    bad JSON or missing field.
-    """
-    if isinstance(fields, str):
-        fields = (fields,)
-    return [eval_text(record, fields, where) for where, record in iter_eval_records(paths)]

@@ -18,12 +18,14 @@ import pytest
 
 from raytrain.config import SPLITS, EnrichConfig
 from raytrain.enrich.conversation import Example, derive_example
-from raytrain.enrich.decontam import build_eval_index, build_sorted_index, contamination_counts, load_eval_sets
+from raytrain.enrich.decontam import build_eval_index, build_sorted_index, contamination_counts
 from raytrain.enrich.dedup import exact_key, minhash_signature, near_duplicate_groups
+from raytrain.enrich.plan import load_eval_texts
 from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA, validate_schema
 from raytrain.sample_data import CARD_BYTES_PER_ROW, load_planted, write_sample_dataset
 from raytrain.sample_data.similarity import SeenRows, _jaccard, _shingle_hashes, _shingles
 from raytrain.sample_data.spec import MAX_ROW_SIMILARITY
+from raytrain.storage import resolve
 
 FILE_NAME = re.compile(r"data/(chat|code|math|stem|tool)-(\d{5})-of-(\d{5})\.parquet")
 ON_TOGGLES = ("detailed thinking on", "/think")
@@ -306,7 +308,7 @@ def test_exact_and_near_duplicates_match_answer_key(sample, derived):
 
 def test_contamination_matches_answer_key(sample, derived):
     planted = sample.planted
-    index = build_eval_index(load_eval_sets([sample.manifest.eval_path]), planted["ngram"])
+    index = build_eval_index(load_eval_texts((sample.manifest.eval_path,), resolve("/"), None).texts, planted["ngram"])
     examples = _examples(derived)
     counts = contamination_counts([e.full_text() for e in examples], build_sorted_index(index), planted["ngram"])
     hits = {e.uuid for e, n in zip(examples, counts, strict=True) if n}

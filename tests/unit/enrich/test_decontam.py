@@ -10,11 +10,14 @@ from raytrain.enrich.decontam import (
     build_eval_index,
     build_sorted_index,
     contamination_counts,
-    load_eval_sets,
+    eval_text,
+    iter_eval_records,
     ngram_hashes,
     tokenize,
 )
+from raytrain.enrich.plan import load_eval_texts
 from raytrain.errors import RaytrainError
+from raytrain.storage import resolve
 
 EVAL = ("A cyclist leaves Arden at 7 in the morning riding at 20 kilometres per hour toward Brill, which is 60 "
         "kilometres away; when does the cyclist arrive?")
@@ -69,19 +72,24 @@ def test_short_eval_items_add_nothing():
     assert build_eval_index(["too short to matter"], 13) == set()
 
 
-def test_load_eval_sets_jsonl_parquet_text(tmp_path):
+def test_eval_sets_from_jsonl_parquet_text(tmp_path):
+    """The product's reader (plan.load_eval_texts) over the three formats; eval_text's `fields` picks other columns."""
     jl = tmp_path / "e.jsonl"
     jl.write_text(json.dumps({"question": "Q1?", "answer": "A1"}) + "\n\n" + json.dumps({"text": "T2"}) + "\n")
     pqf = tmp_path / "e.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "P3", "x": 1}]), pqf)
     txt = tmp_path / "e.txt"
     txt.write_text("line one\n\nline two\n")
-    assert load_eval_sets([str(jl)]) == ["Q1?\nA1", "T2"]
-    assert load_eval_sets([str(pqf), str(txt)], fields="prompt") == ["P3", "line one", "line two"]
+    root = resolve(str(tmp_path))
+    got = load_eval_texts((str(jl), str(txt)), root, None)
+    assert got.texts == ["Q1?\nA1", "T2", "line one", "line two"] and [s["items"] for s in got.sources] == [2, 2]
+    assert [eval_text(r, ("prompt",), w) for w, r in iter_eval_records([str(pqf)])] == ["P3"]
     with pytest.raises(RaytrainError, match=r"e\.parquet row 0.*'question'"):
-        load_eval_sets([str(pqf)])
+        load_eval_texts((str(pqf),), root, None)
     (tmp_path / "bad.jsonl").write_text("{not json}\n")
     with pytest.raises(RaytrainError, match=r"bad\.jsonl:1"):
-        load_eval_sets([str(tmp_path / "bad.jsonl")])
+        load_eval_texts((str(tmp_path / "bad.jsonl"),), root, None)
+    with pytest.raises(RaytrainError, match=r"eval_sets\[0\].*missing\.jsonl is not a file"):
+        load_eval_texts((str(tmp_path / "missing.jsonl"),), root, None)
     with pytest.raises(RaytrainError, match="does not exist"):
-        load_eval_sets([str(tmp_path / "missing.jsonl")])
+        list(iter_eval_records([str(tmp_path / "missing.jsonl")]))
