@@ -18,7 +18,8 @@ import json
 import math
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -34,6 +35,9 @@ from raytrain.enrich.context import (
 from raytrain.enrich.conversation import Example, derive_example
 from raytrain.enrich.decontam import contamination_counts
 from raytrain.enrich.dedup import cluster_roots, exact_key, lsh_band_keys, minhash_signature, verified_pairs
+
+if TYPE_CHECKING:
+    from raytrain.config import DatasetConfig, EnrichConfig
 
 OK = "ok"
 GUARD_REASON = "guard_reason"
@@ -292,7 +296,54 @@ _INT64_TOKEN_COLUMNS = frozenset(f.name for f in TOKENS if pa.types.is_int64(f.t
 
 
 # ---- pass 2: selection, corpus context, tokenization ----------------------------------------------------------------
-def refused_before_context(pdf: pd.DataFrame, tokenize: dict[str, Any], select: dict[str, Any]) -> pd.DataFrame:
+@dataclass(frozen=True)
+class Scoring:
+    """How sentences are embedded and kept (enrich.*): what the selection from a row's own context and the corpus
+    search share (``select_batch`` and ``corpus_context_batch`` take these as keywords)."""
+
+    model_path: str
+    batch_size: int
+    top_k: int
+    min_score: float
+    question_weight: float
+    answer_text: str = "final"
+    num_threads: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: EnrichConfig, num_threads: int = 0) -> Scoring:
+        return cls(cfg.embedding_model, cfg.embed_batch_size, cfg.top_k, cfg.min_score, cfg.question_weight,
+                   cfg.answer_text, num_threads)
+
+    def keywords(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Tokenizing:
+    """How rows are tokenized (dataset.*; ``tokenize_batch`` takes these as keywords)."""
+
+    tokenizer_version: str
+    seq_len: int
+    length_policy: str = "drop"
+    text_with_tool_calls: str = "drop_text"
+
+    @classmethod
+    def from_config(cls, ds: DatasetConfig) -> Tokenizing:
+        return cls(ds.tokenizer, ds.seq_len, ds.length_policy, ds.text_with_tool_calls)
+
+
+@dataclass(frozen=True)
+class CorpusSearch:
+    """What the corpus search needs besides ``Scoring``: the corpus index and the eval n-grams its sentences are
+    checked against (``corpus_context_batch``)."""
+
+    index: Any
+    """raytrain.enrich.corpus.CorpusIndex"""
+    eval_index: np.ndarray
+    ngram: int
+
+
+def refused_before_context(pdf: pd.DataFrame, tokenize: Tokenizing, system_prompt: str = "keep") -> pd.DataFrame:
     """The kept rows ``finish_batch`` can quarantine before selection, as ``tokenize_batch(**tokenize)`` returns
     them: those whose conversation as it stands is already refused (too many tokens for the length policy, or
     untokenizable), so that the relevance selection and the corpus retrieval never embed a row that cannot train.
@@ -304,24 +355,25 @@ def refused_before_context(pdf: pd.DataFrame, tokenize: dict[str, Any], select: 
     so nothing is decided early. Only rows whose ``messages_json`` is longer than ``seq_len`` characters are
     tokenized here (a cheap filter: real Nemotron code and math rows run to 40-48 KB).
     """
-    if select.get("system_prompt", "keep") != "keep" or tokenize.get("length_policy", "drop") == "split":
+    if system_prompt != "keep" or tokenize.length_policy == "split":
         return pdf.iloc[:0]
-    long = pdf[pdf["messages_json"].str.len() > tokenize["seq_len"]]
+    long = pdf[pdf["messages_json"].str.len() > tokenize.seq_len]
     if long.empty:
         return long
-    tokenized = tokenize_batch(long, **tokenize)
+    tokenized = tokenize_batch(long, **asdict(tokenize))
     refused = tokenized[tokenized["status"] != OK].copy()
     refused["detail"] = refused["detail"] + " [before any context was added: selection and corpus skipped]"
     return refused
 
 
-def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[str, Any],
-                 corpus: dict[str, Any] | None = None, seconds: dict[str, float] | None = None) -> pd.DataFrame:
+def finish_batch(pdf: pd.DataFrame, *, scoring: Scoring, tokenize: Tokenizing, system_prompt: str = "keep",
+                 corpus: CorpusSearch | None = None, seconds: dict[str, float] | None = None) -> pd.DataFrame:
     """Rows of the finishing pass (PREPARED's row columns with the final dedup/decontamination verdict in
     ``status``) -> ``finished_schema(corpus is not None)`` rows in the same order.
 
-    Rows with status "ok" go through ``select_batch(**select)``, ``corpus_batches.corpus_context_batch(**corpus)``
-    (with a corpus) and ``tokenize_batch(**tokenize)``, which may still quarantine them; rows that
+    Rows with status "ok" go through ``select_batch`` (``scoring``, ``system_prompt``),
+    ``corpus_batches.corpus_context_batch`` (``corpus`` and ``scoring``, with a corpus) and ``tokenize_batch``
+    (``tokenize``), which may still quarantine them; rows that
     ``refused_before_context`` finds refused already are tokenized as they stand and quarantined without being
     embedded (their token count and detail are the conversation's without a context block, and the detail says so).
     The others pass through with their reason, empty text (the quarantine keeps uuid, split, category, reason and
@@ -331,20 +383,21 @@ def finish_batch(pdf: pd.DataFrame, *, select: dict[str, Any], tokenize: dict[st
     parts = []
     if keep.any():
         kept = pdf[keep]
-        refused = refused_before_context(kept, tokenize, select)
+        refused = refused_before_context(kept, tokenize, system_prompt)
         if len(refused):
             parts.append(_with_defaults(refused, schema))
         rest_ok = kept.drop(index=refused.index)
         if len(rest_ok):
-            ok = select_batch(rest_ok, **select)
+            ok = select_batch(rest_ok, **scoring.keywords(), system_prompt=system_prompt)
             if corpus is not None:
                 from raytrain.enrich.corpus_batches import corpus_context_batch
 
                 t0 = time.perf_counter()
-                ok = corpus_context_batch(ok, **corpus)
+                ok = corpus_context_batch(ok, index=corpus.index, eval_index=corpus.eval_index, ngram=corpus.ngram,
+                                          **scoring.keywords())
                 if seconds is not None:  # the corpus retrieval's share of the pass, for the report
                     seconds["corpus"] = seconds.get("corpus", 0.0) + time.perf_counter() - t0
-            parts.append(tokenize_batch(ok, **tokenize))
+            parts.append(tokenize_batch(ok, **asdict(tokenize)))
     if not keep.all():
         rest = pdf[~keep][[n for n in schema.names if n in pdf.columns]].copy()
         rest[["context", "question", "answer", "messages_json"]] = ""

@@ -39,7 +39,7 @@ TORCH_THREADS_PER_TASK = 1
 """Torch threads of each Python worker. Spark runs ``executor_cores`` tasks at once per executor (spark.task.cpus
 is 1), each in its own Python worker: one thread each keeps workers x threads = the executor's cores."""
 ROW_COLUMNS = ("uuid", "split", "category", "license", "reasoning", "context", "question", "answer")
-"""The enriched table's identity and derived-text columns; the audit columns come from batches. schemas."""
+"""The enriched table's identity and derived-text columns; the audit columns come from batches' schemas."""
 
 
 def spark_schema(schema: pa.Schema) -> T.StructType:
@@ -78,8 +78,8 @@ def prepare(raw: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
     cfg = job.enrich
     bands, rows = lsh_params(cfg.near_dup_threshold, NUM_PERM)
 
-    def body(batches):
-        for pdf in batches:
+    def body(frames):
+        for pdf in frames:
             yield batches.prepare_batch(pdf, max_chars=cfg.max_chars, licenses=cfg.licenses, num_perm=NUM_PERM,
                                      bands=bands, rows=rows, shingle_chars=SHINGLE_CHARS, eval_index=eval_index.value,
                                      ngram=cfg.decontam_ngram)
@@ -168,21 +168,15 @@ def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = 
     verdict = {"status": status.alias("status"), "detail": detail.alias("detail")}
     rows = prepared.join(flags, "row_id", "left").select(*(verdict.get(c, F.col(c)) for c in batches.ROW.names))
     rows = rows.repartition(cfg.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
-    select = {"model_path": cfg.embedding_model, "batch_size": cfg.embed_batch_size, "top_k": cfg.top_k,
-              "min_score": cfg.min_score, "question_weight": cfg.question_weight, "system_prompt": cfg.system_prompt,
-              "answer_text": cfg.answer_text, "num_threads": TORCH_THREADS_PER_TASK}
-    tokenize = {"tokenizer_version": ds.tokenizer, "seq_len": ds.seq_len, "length_policy": ds.length_policy,
-                "text_with_tool_calls": ds.text_with_tool_calls}
+    scoring = batches.Scoring.from_config(cfg, num_threads=TORCH_THREADS_PER_TASK)
+    tokenize = batches.Tokenizing.from_config(ds)
 
-    def body(batches):
-        retrieval = None if corpus is None else {
-            "index": corpus.value, "eval_index": eval_index.value, "ngram": n, "model_path": cfg.embedding_model,
-            "batch_size": cfg.embed_batch_size, "top_k": cfg.top_k, "min_score": cfg.min_score,
-            "question_weight": cfg.question_weight, "answer_text": cfg.answer_text,
-            "num_threads": TORCH_THREADS_PER_TASK}
-        for pdf in batches:
+    def body(frames):
+        search = None if corpus is None else batches.CorpusSearch(corpus.value, eval_index.value, n)
+        for pdf in frames:
             seconds: dict[str, float] = {}
-            yield batches.finish_batch(pdf, select=select, tokenize=tokenize, corpus=retrieval, seconds=seconds)
+            yield batches.finish_batch(pdf, scoring=scoring, tokenize=tokenize, system_prompt=cfg.system_prompt,
+                                       corpus=search, seconds=seconds)
             if retrieve_seconds is not None and "corpus" in seconds:
                 retrieve_seconds.add(seconds["corpus"])
 

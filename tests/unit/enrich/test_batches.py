@@ -279,8 +279,8 @@ def test_finish_batch_runs_the_kept_rows_and_passes_the_others_through_in_order(
             {"role": "assistant", "content": "Paris.", "tool_calls": []}]
     rows = pd.concat([_work_row("z", good, row_id=1), _work_row("a", good, row_id=2)], ignore_index=True)
     rows.loc[1, ["status", "detail"]] = [batches.EXACT_DUPLICATE, "duplicate of z (same normalized text)"]
-    select = {"model_path": "", "batch_size": 16, "top_k": 1, "min_score": 0.0, "question_weight": 0.5}
-    out = batches.finish_batch(rows, select=select, tokenize={"tokenizer_version": "v3", "seq_len": 256})
+    scoring = batches.Scoring(model_path="", batch_size=16, top_k=1, min_score=0.0, question_weight=0.5)
+    out = batches.finish_batch(rows, scoring=scoring, tokenize=batches.Tokenizing("v3", 256))
     assert list(out.columns) == batches.finished_schema(False).names
     pa.Table.from_pandas(out, schema=batches.finished_schema(False), preserve_index=False)  # what Spark is told
     assert out["uuid"].tolist() == ["z", "a"] and out["status"].tolist() == [batches.OK, batches.EXACT_DUPLICATE]
@@ -298,34 +298,34 @@ def test_finish_batch_quarantines_a_row_too_long_before_any_context_without_embe
                 {"role": "assistant", "content": long_answer, "tool_calls": []}]
     short = [*messages[:2], {"role": "assistant", "content": "Paris.", "tool_calls": []}]
     rows = pd.concat([_work_row("long", messages, row_id=1), _work_row("short", short, row_id=2)], ignore_index=True)
-    select = {"model_path": "", "batch_size": 16, "top_k": 1, "min_score": 0.0, "question_weight": 0.5}
-    tokenize = {"tokenizer_version": "v3", "seq_len": 256}
+    scoring = batches.Scoring(model_path="", batch_size=16, top_k=1, min_score=0.0, question_weight=0.5)
+    tokenize = batches.Tokenizing("v3", 256)
 
     embedded: list[list[str]] = []  # the uuids each selection call saw: the long row must not be among them
     real_select = batches.select_batch
     monkeypatch.setattr(batches, "select_batch", lambda pdf, **kw: embedded.append(pdf["uuid"].tolist())
                         or real_select(pdf, **kw))
-    out = batches.finish_batch(rows, select=select, tokenize=tokenize)
+    out = batches.finish_batch(rows, scoring=scoring, tokenize=tokenize)
     assert embedded == [["short"]]
     assert out["uuid"].tolist() == ["long", "short"]
     assert out["status"].tolist() == ["too_many_tokens", batches.OK]
     pa.Table.from_pandas(out, schema=batches.finished_schema(False), preserve_index=False)
     # the same verdict as tokenizing it without context: the count is the conversation's as it stands
-    alone = batches.tokenize_batch(rows.iloc[:1], **tokenize)
+    alone = batches.tokenize_batch(rows.iloc[:1], "v3", 256)
     assert out["num_tokens"][0] == alone["num_tokens"][0] > 256
     assert out["detail"][0].startswith(alone["detail"][0]) and "before any context" in out["detail"][0]
     assert list(out["kept_sentences"][0]) == [] and list(out["input_ids"][0]) == []
 
     # and the full path (selection, then tokenization with the context block) reaches the same verdict for it
-    monkeypatch.setattr(batches, "refused_before_context", lambda pdf, tokenize, select: pdf.iloc[:0])
-    full = batches.finish_batch(rows, select=select, tokenize=tokenize)
+    monkeypatch.setattr(batches, "refused_before_context", lambda pdf, tokenize, system_prompt: pdf.iloc[:0])
+    full = batches.finish_batch(rows, scoring=scoring, tokenize=tokenize)
     assert full["status"].tolist() == out["status"].tolist()
     assert full["num_tokens"][0] >= out["num_tokens"][0]
     assert [list(x) for x in full["input_ids"]] == [list(x) for x in out["input_ids"]]
 
     # "select" may shrink the system prompt: nothing is decided before selection then
     embedded.clear()
-    batches.finish_batch(rows, select={**select, "system_prompt": "select"}, tokenize=tokenize)
+    batches.finish_batch(rows, scoring=scoring, tokenize=tokenize, system_prompt="select")
     assert embedded == [["long", "short"]]
 
 
@@ -350,3 +350,16 @@ def test_prepare_batch_quarantines_the_rows_spark_refused_without_deriving_them(
     assert out["detail"].tolist()[1:] == [pdf["guard_detail"][1], "5 characters > max_chars=4"]
     assert out["messages_json"].tolist()[1:] == ["", ""] and out["row_id"].tolist() == [0, 1, 2]
     assert out["question"][0] == "Why is the sky blue?"
+
+
+def test_settings_are_read_from_the_config_by_name():
+    from raytrain.config import load_job_config
+
+    job = load_job_config("configs/demo.yaml", ["enrich.top_k=7", "enrich.min_score=0.25", "dataset.seq_len=96"])
+    cfg, ds = job.enrich, job.dataset
+    assert batches.Scoring.from_config(cfg, num_threads=3) == batches.Scoring(
+        model_path=cfg.embedding_model, batch_size=cfg.embed_batch_size, top_k=7, min_score=0.25,
+        question_weight=cfg.question_weight, answer_text=cfg.answer_text, num_threads=3)
+    assert batches.Tokenizing.from_config(ds) == batches.Tokenizing(
+        tokenizer_version=ds.tokenizer, seq_len=96, length_policy=ds.length_policy,
+        text_with_tool_calls=ds.text_with_tool_calls)
