@@ -199,7 +199,7 @@ class StageRunner:
         mbs, m = config["micro_batch_size"], config["grad_accum_steps"]
         self.data_iter = None
         if topo.needs_data:
-            from raytrain.dataset.packs import PackReader
+            from raytrain.dataset.pack_reader import PackReader
 
             folder = os.path.dirname(config["files"][0])
             names = tuple(os.path.basename(f) for f in config["files"])

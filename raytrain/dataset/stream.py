@@ -28,7 +28,7 @@ import ray
 
 from raytrain.config import DatasetConfig
 from raytrain.dataset.pack import TOKENIZED_COLUMNS, pack_batch, tokenize_frame
-from raytrain.dataset.packs import PackReader
+from raytrain.dataset.pack_reader import PackReader
 from raytrain.errors import RaytrainError
 from raytrain.storage import MANIFEST, StorageLocation
 
@@ -141,7 +141,7 @@ def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> Pac
     """Pack ``ds`` (TOKENIZED_COLUMNS rows) into Parquet under ``out``; None when it gave no pack."""
     ds = ds.map_batches(pack_batch, batch_format="pandas", batch_size=PACK_BATCH_ROWS,
                         fn_kwargs={"seq_len": cfg.seq_len, "length_policy": cfg.length_policy})
-    # one pack per row group: a trainer rank reads exactly the packs it trains (raytrain.dataset.packs)
+    # one pack per row group: a trainer rank reads exactly the packs it trains (raytrain.dataset.pack_reader)
     ds.write_parquet(out.path, filesystem=out.filesystem, row_group_size=PACK_ROW_GROUP_ROWS)
     out_files = _parquet_files(out) if out.exists() else []
     num_packs, num_tokens = 0, 0

@@ -19,7 +19,7 @@ import numpy as np
 
 from raytrain.config import JobConfig
 from raytrain.dataset.labels import IGNORE_INDEX
-from raytrain.dataset.packs import PackCounts, PackReader
+from raytrain.dataset.pack_reader import PackCounts, PackReader
 from raytrain.trainer.feed import validation_micro_batches
 from raytrain.trainer.schedule import Topology, validation_micro_batches_of
 

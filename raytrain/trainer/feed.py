@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
-from raytrain.dataset.packs import PackCounts
+from raytrain.dataset.pack_reader import PackCounts
 from raytrain.trainer.schedule import epoch_and_offset, micro_batches_per_step, owns_micro_batch
 
 MODEL_COLUMNS = ("input_ids", "position_ids", "segment_ids", "labels")

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain.dataset.packs import PackReader
+from raytrain.dataset.pack_reader import PackReader
 
 SEQ = 8
 
