@@ -100,7 +100,7 @@ def ray_s3(s3_endpoint, tmp_path_factory):
     environment through the raylet, as on any embedded cluster. Yields the token, the dashboard URL and the ps
     sampler, which runs until the module ends."""
     import ray
-    from ray._raylet import Config
+    from ray._raylet import AuthenticationTokenLoader, Config
 
     from raytrain import runner
 
@@ -125,7 +125,11 @@ def ray_s3(s3_endpoint, tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        Config.initialize("")  # later modules' Ray reads the restored RAY_AUTH_MODE
+        # Later modules' Ray must see the restored RAY_AUTH_MODE: the config, and the token Ray's C++ side cached
+        # (as ray._private.authentication_test_utils resets them). Without the cache reset, the next module's first
+        # actor (RayDP's Spark master) was cancelled before it started, in every module after this one.
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 @contextmanager
