@@ -166,7 +166,7 @@ def _tally(finished, job: JobConfig, plan: EnrichPlan, enriched: StorageLocation
     either enriched or quarantined (checked on the files), else AssertionError."""
     from raytrain.enrich import passes
 
-    reasons = (*QUARANTINE_REASONS, *STEP_REASONS_AFTER_DERIVE)
+    reasons = tuple(str(r) for r in (*QUARANTINE_REASONS, *STEP_REASONS_AFTER_DERIVE))  # plain text in reports
     rows = passes.row_stats(finished, job.dataset.seq_len, reasons, bool(plan.corpus_files))
     sentences = passes.sentence_stats(finished, bool(plan.corpus_files))
     status = rows["overall"].get("status", {})

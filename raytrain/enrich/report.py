@@ -46,12 +46,12 @@ def step_counts(rows_in: int, per_reason: dict[str, int], corpus: bool) -> list[
     """Rows in, kept and quarantined per step, from the rows per quarantine reason (every reason belongs to the one
     step that decides it; derive's are the rest). The steps run fused in two passes, so they have no times of their
     own (report["passes"] has those). Raises AssertionError when the counts do not add up (a bug)."""
-    derive = {r: n for r, n in per_reason.items() if r not in STEP_REASONS_AFTER_DERIVE and n}
+    derive = {str(r): n for r, n in per_reason.items() if r not in STEP_REASONS_AFTER_DERIVE and n}
     out = [StepCounts("derive", rows_in, rows_in - sum(derive.values()), derive)]
     for step, reasons in _STEPS:
         if step == "corpus_context" and not corpus:
             continue
-        q = {r: per_reason[r] for r in reasons if per_reason.get(r)}
+        q = {str(r): per_reason[r] for r in reasons if per_reason.get(r)}
         n = out[-1].rows_out
         out.append(StepCounts(step, n, n - sum(q.values()), q))
     for c in out:

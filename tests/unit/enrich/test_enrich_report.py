@@ -113,5 +113,10 @@ def test_every_quarantine_reason_is_counted_by_exactly_one_step():
     per_reason = {str(r): i + 1 for i, r in enumerate(Reason)}  # as read back from the quarantine files
     steps = step_counts(1000, per_reason, corpus=True)
     counted = [r for s in steps for r, n in s.quarantined.items() for _ in range(n)]
+    assert {type(r) for r in counted} == {str}  # the console prints these dicts: 'bad_role', not <Reason...>
+    per_reason = {Reason(r): n for r, n in per_reason.items()}  # as the job tallies them
+    steps = step_counts(1000, per_reason, corpus=True)
+    counted = [r for s in steps for r, n in s.quarantined.items() for _ in range(n)]
+    assert {type(r) for r in counted} == {str}
     assert sorted(counted) == sorted(r for r, n in per_reason.items() for _ in range(n))
     assert steps[-1].rows_out == 1000 - sum(per_reason.values())
