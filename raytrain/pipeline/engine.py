@@ -137,8 +137,7 @@ class StageEngine:
         own_layer = tuple(f"{DS_TAG}/layer_{i:02d}-" for i in layers)
         dp_ranks = range(self.num_replicas) if engine.zero_elastic_checkpoint() else (self.dp_rank,)
         own_optim = tuple(f"zero_pp_rank_{dp}_mp_rank_{mp:02d}" for dp in dp_ranks)
-        model_states = sorted(rel for rel in names if rel.rsplit("/", 1)[-1].startswith("mp_rank_")
-                              and rel.endswith("_model_states.pt"))
+        model_states = _model_states(names)
         opened, listed = [], []
         for rel in names:
             base = rel.rsplit("/", 1)[-1]
@@ -163,8 +162,7 @@ class StageEngine:
         DeepSpeed's loader (``SDLoaderBase.check_ckpt_list``) opens the first ``mp_rank_XX_model_states.pt`` only to
         check ``mp_world_size`` against the count of such files; that one gets a file holding just that count, the
         others are empty (globbed, never opened)."""
-        model_states = sorted(rel for rel in names if rel.rsplit("/", 1)[-1].startswith("mp_rank_")
-                              and rel.endswith("_model_states.pt"))
+        model_states = _model_states(names)
         for rel in listed:
             path = os.path.join(directory, *rel.split("/"))
             if rel == model_states[0]:
@@ -217,3 +215,9 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config)
     keep_fp32_grad_norm(engine)
     return StageEngine.of(engine)
+
+
+def _model_states(names: list[str]) -> list[str]:
+    """The checkpoint's ``mp_rank_XX_model_states.pt`` files among ``names``, sorted (DeepSpeed's glob order)."""
+    return sorted(rel for rel in names if rel.rsplit("/", 1)[-1].startswith("mp_rank_")
+                  and rel.endswith("_model_states.pt"))
