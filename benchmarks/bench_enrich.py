@@ -52,6 +52,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the near-duplicate rule in one process lives with the tests, which check the Spark job against it
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -61,12 +63,14 @@ SPLITS = 5  # the sample writes rows_per_split rows in each of the dataset's fiv
 
 def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     """The same steps in one process, plain Python + sentence-transformers: returns the time and rows kept."""
+    from near_dedup_reference import near_duplicate_clusters
+
     from raytrain.dataset.length import decide_length
     from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
     from raytrain.enrich.context import answer_for_scoring, candidate_sentences, with_context_block
     from raytrain.enrich.conversation import Example, derive_example
     from raytrain.enrich.decontam import build_eval_index, ngram_hashes
-    from raytrain.enrich.dedup import exact_key, minhash_signatures, near_duplicate_clusters
+    from raytrain.enrich.dedup import exact_key, minhash_signatures
     from raytrain.enrich.relevance import load_embedder, score_batch
     from raytrain.errors import RaytrainError
 

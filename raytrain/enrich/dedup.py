@@ -4,8 +4,8 @@ Every hash here is a fixed function of the bytes (sha1, blake2b, splitmix64), ne
 salted ``hash()``, so Spark workers on different machines agree. The Spark job computes ``exact_key``,
 ``minhash_signature`` and ``lsh_band_keys`` in its first pass (batches.prepare_batch), groups rows by band key,
 verifies each bucket with ``verified_pairs`` (batches.verify_bucket) and clusters the verified pairs with
-``cluster_roots`` (batches.near_duplicate_drops); ``near_duplicate_groups`` is the same rule in one process (the
-benchmark's single-process baseline).
+``cluster_roots`` (batches.near_duplicate_drops). The same rule in one process, for tests and the benchmark's
+baseline, is tests/near_dedup_reference.py.
 
 The MinHash and the banding are ours, not datasketch's: the Spark job needs band keys it can explode and group
 by (docs/decisions.md, 'MinHash and LSH of our own, not datasketch').
@@ -18,8 +18,7 @@ import hashlib
 import math
 import re
 import unicodedata
-from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -209,47 +208,3 @@ def cluster_roots(a: np.ndarray, b: np.ndarray, num_nodes: int) -> np.ndarray:
     root = np.full(labels.max() + 1, num_nodes, dtype=np.int64)
     np.minimum.at(root, labels, np.arange(num_nodes))
     return root[labels]
-
-
-def near_duplicate_groups(
-    ids: Sequence[Hashable], signatures: np.ndarray, threshold: float, bands: int | None = None,
-    rows: int | None = None,
-) -> list[list]:
-    """Clusters (each sorted, size >= 2) of ids whose signatures are near-duplicates.
-
-    Candidates share an LSH band key; a candidate pair joins a cluster only if its estimated Jaccard is
-    >= ``threshold`` (connected components, so clusters are transitive). ``bands``/``rows`` default to lsh_params.
-    """
-    sigs = np.asarray(signatures, dtype=np.uint32)
-    if sigs.ndim != 2 or sigs.shape[0] != len(ids):
-        raise RaytrainError(f"signatures must be (len(ids)={len(ids)}, num_perm), got {sigs.shape}")
-    if len(set(ids)) != len(ids):
-        raise RaytrainError("near_duplicate_groups: ids must be unique (drop exact duplicates first)")
-    if bands is None or rows is None:
-        bands, rows = lsh_params(threshold, sigs.shape[1])
-    keys = lsh_band_keys(sigs, bands, rows)  # (N, B)
-    buckets: dict[int, list[int]] = defaultdict(list)
-    for i, row_keys in enumerate(keys.tolist()):
-        for k in row_keys:
-            buckets[k].append(i)
-    edges = [(members[i], members[j]) for members in buckets.values() if len(members) > 1
-             for i, j, _ in verified_pairs(sigs[members], threshold)]
-    a, b = (np.array(x, dtype=np.int64) for x in zip(*edges, strict=True)) if edges else (np.zeros(0, np.int64),) * 2
-    roots = cluster_roots(a, b, len(ids))
-    clusters: dict[int, list] = defaultdict(list)
-    for i, root in enumerate(roots.tolist()):
-        clusters[root].append(ids[i])
-    return sorted((sorted(c) for c in clusters.values() if len(c) > 1), key=lambda c: c[0])
-
-
-def near_duplicate_clusters(
-    ids: Sequence[Hashable], signatures: np.ndarray, threshold: float, bands: int | None = None,
-    rows: int | None = None,
-) -> list:
-    """The ids to drop as near-duplicates: every member of each cluster but its smallest id, sorted.
-
-    In: unique, mutually comparable ids (uuids or ints), their MinHash signatures (N, num_perm), the Jaccard
-    threshold. Out: sorted list of ids.
-    """
-    groups = near_duplicate_groups(ids, signatures, threshold, bands, rows)
-    return sorted(i for g in groups for i in g[1:])

@@ -15,11 +15,12 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from near_dedup_reference import near_duplicate_groups
 
 from raytrain.config import SPLITS, EnrichConfig
 from raytrain.enrich.conversation import Example, derive_example
 from raytrain.enrich.decontam import build_eval_index, build_sorted_index, contamination_counts
-from raytrain.enrich.dedup import exact_key, minhash_signature, near_duplicate_groups
+from raytrain.enrich.dedup import exact_key, minhash_signature
 from raytrain.enrich.plan import load_eval_texts
 from raytrain.enrich.schema import NEMOTRON_V1_SCHEMA, validate_schema
 from raytrain.sample_data import CARD_BYTES_PER_ROW, load_planted, write_sample_dataset

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from near_dedup_reference import near_duplicate_clusters, near_duplicate_groups
 
 from raytrain.enrich.dedup import (
     exact_key,
@@ -15,8 +16,6 @@ from raytrain.enrich.dedup import (
     lsh_params,
     minhash_signature,
     minhash_signatures,
-    near_duplicate_clusters,
-    near_duplicate_groups,
     normalize_text,
 )
 from raytrain.errors import RaytrainError
