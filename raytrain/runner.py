@@ -440,36 +440,30 @@ discovering, validating and hashing the inputs a second time."""
 
 def _plan_enrichment_early(run: Run) -> None:
     """Layout, splits and every file's schema from the footers, the eval sets and the corpus files: seconds, before
-    Ray or Spark start. What 'sample' names is written later, with the sample; those inputs are planned then."""
-    job = run.job
-    from_sample = job.data.input_path == "sample" or "sample" in job.enrich.context_corpus
-    if from_sample:
-        if job.data.input_path != "sample":
-            from raytrain.enrich.inputs import discover_inputs, validate_inputs
-
-            inputs = discover_inputs(resolve(job.data.input_path, s3_endpoint=job.storage.s3_endpoint or None),
-                                     job.data.splits)
-            footers = validate_inputs(inputs)
-            log.info("inputs: %s", ", ".join(f"{k} {v['rows']} rows" for k, v in footers.items()))
-        corpus = [c for c in job.enrich.context_corpus if c != "sample"]
-        if corpus:  # files, fields, emptiness
-            from raytrain.enrich.corpus import check_corpus
-
-            files = check_corpus(corpus, job.enrich.corpus_id_field, job.enrich.corpus_text_field,
-                                 s3_endpoint=job.storage.s3_endpoint or None)
-            log.info("context corpus: %d file(s), %d records", len(files), sum(f.records for f in files))
-        return
+    Ray or Spark start. What 'sample' names is written later, with the sample: only the other inputs are checked
+    now, and the plan is made when the sample exists."""
+    from raytrain.enrich.corpus import check_corpus
+    from raytrain.enrich.inputs import discover_inputs, validate_inputs
     from raytrain.enrich.plan import plan_enrichment
 
-    input_root = resolve(job.data.input_path, s3_endpoint=job.storage.s3_endpoint or None)
-    plan = plan_enrichment(job, input_root, eval_set_paths(run, input_root))
-    for line in plan.inputs.describe():
-        log.info("%s", line)
-    log.info("inputs: %s", ", ".join(f"{k} {v['rows']} rows" for k, v in plan.footers.items()))
-    if plan.corpus_files:
-        log.info("context corpus: %d file(s), %d records", len(plan.corpus_files),
-                 sum(f.records for f in plan.corpus_files))
-    _PLANS[(run.root.uri, job.config_hash())] = plan
+    job, s3_endpoint = run.job, run.job.storage.s3_endpoint or None
+    input_root = resolve(job.data.input_path, s3_endpoint=s3_endpoint)
+    if job.data.input_path != "sample" and "sample" not in job.enrich.context_corpus:
+        plan = plan_enrichment(job, input_root, eval_set_paths(run, input_root))
+        for line in plan.inputs.describe():
+            log.info("%s", line)
+        footers, corpus_files = plan.footers, plan.corpus_files
+        _PLANS[(run.root.uri, job.config_hash())] = plan
+    else:
+        footers = validate_inputs(discover_inputs(input_root, job.data.splits)) \
+            if job.data.input_path != "sample" else None
+        corpus = [c for c in job.enrich.context_corpus if c != "sample"]
+        corpus_files = check_corpus(corpus, job.enrich.corpus_id_field, job.enrich.corpus_text_field,
+                                    s3_endpoint=s3_endpoint) if corpus else None
+    if footers:
+        log.info("inputs: %s", ", ".join(f"{k} {v['rows']} rows" for k, v in footers.items()))
+    if corpus_files:
+        log.info("context corpus: %d file(s), %d records", len(corpus_files), sum(f.records for f in corpus_files))
 
 
 def _check_model_fits_tokenizer(job: JobConfig) -> None:
