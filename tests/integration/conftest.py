@@ -28,3 +28,20 @@ def ray_local():
              runtime_env={"env_vars": dict(WORKER_ENV), "worker_process_setup_hook": WORKER_SETUP_HOOK})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The quick start's run (tests/demo_run.py), once per session: its console for test_console_run, its enriched
+    and packed sample for the modules that would otherwise enrich the same sample again."""
+    from demo_run import run_demo
+
+    return run_demo(str(tmp_path_factory.mktemp("demo-runs")))
+
+
+@pytest.fixture(scope="session")
+def demo_data(demo_run):
+    """The shared run, for a module that reads its data: setup fails (with the console's tail) when it failed."""
+    out = demo_run.process
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return demo_run

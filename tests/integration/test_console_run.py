@@ -3,7 +3,8 @@ enrichment, packing, training) and once under a pseudo-terminal (the same run re
 skips the data stages). The console holds raytrain's stage lines and the Ray dashboard URL and none of the
 frameworks' noise; the run's reports/logs/ file holds that noise; the charts are PNGs.
 
-One demo run for all assertions of the module (module-scoped fixtures): about 4-5 minutes on a 2-core machine."""
+The run without a terminal is the session's shared demo run (tests/demo_run.py; about 4-5 minutes on a 2-core
+machine), whose data other modules read too."""
 
 from __future__ import annotations
 
@@ -15,13 +16,10 @@ import sys
 import time
 
 import pytest
+from demo_run import REPO, STEPS
 from pty_console import run_in_pty
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 4
 MORE_STEPS = STEPS + 2
-OVERRIDES = [f"train.max_steps={STEPS}", "train.checkpoint_every=2", "train.eval_every=2", "storage.user=ci",
-             "storage.run_name=console"]
 
 # Lines that reached the console before raytrain.console (issue 17), by the program that writes them.
 NOISE = {
@@ -38,53 +36,22 @@ NOISE = {
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def _env(storage_root) -> dict[str, str]:
-    """The CLI's environment: the quick start as a user gets it, with Ray's token authentication on (the token file
-    in this module's temporary folder instead of ~/.ray)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=_token_path(storage_root),
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("RAY_ADDRESS", None)
-    env.pop("RAY_AUTH_TOKEN", None)
-    return env
-
-
-def _token_path(storage_root) -> str:
-    return os.path.join(str(storage_root), ".ray-auth", "auth_token")
-
-
-def _cmd(root, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "raytrain.cli", "run", "configs/demo.yaml", f"storage.root={root}", *OVERRIDES,
-            *extra]
+@pytest.fixture(scope="module")
+def plain(demo_run):
+    """The demo without a terminal (as under a pipe or `ray job submit`): the session's shared run."""
+    return demo_run
 
 
 @pytest.fixture(scope="module")
-def storage_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("console-runs")
-
-
-@pytest.fixture(scope="module")
-def plain(storage_root):
-    """The demo without a terminal (as under a pipe or `ray job submit`)."""
-    t0 = time.monotonic()
-    out = subprocess.run(_cmd(storage_root), cwd=REPO, env=_env(storage_root), capture_output=True, text=True, timeout=1800)
-    print(f"demo run without a terminal: {time.monotonic() - t0:.0f}s, "
-          f"{len((out.stdout + out.stderr).splitlines())} console lines")
-    return out
-
-
-@pytest.fixture(scope="module")
-def terminal(plain, storage_root):
+def terminal(plain):
     """The same run resumed for two more steps under a pseudo-terminal."""
-    assert plain.returncode == 0, (plain.stdout + plain.stderr)[-4000:]
+    out = plain.process
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     t0 = time.monotonic()
-    code, text = run_in_pty(_cmd(storage_root, f"train.max_steps={MORE_STEPS}"), env=_env(storage_root), cwd=REPO,
+    code, text = run_in_pty(plain.command(f"train.max_steps={MORE_STEPS}"), env=plain.env(), cwd=REPO,
                             timeout_s=1200)
     print(f"resumed run under a terminal: {time.monotonic() - t0:.0f}s, {len(text.splitlines())} console lines")
     return code, text
-
-
-def _run_dir(storage_root) -> str:
-    return os.path.join(str(storage_root), "ci", "demo", "console")
 
 
 def _log_path(console_text: str) -> str:
@@ -99,9 +66,9 @@ def _assert_no_noise(text: str) -> None:
         assert found is None, f"{what} on the console: {text[max(0, found.start() - 300):found.end() + 300]}"
 
 
-def test_console_tells_the_stages_without_a_terminal(plain, storage_root):
-    text = plain.stdout + plain.stderr
-    assert plain.returncode == 0, text[-4000:]
+def test_console_tells_the_stages_without_a_terminal(plain):
+    text = plain.process.stdout + plain.process.stderr
+    assert plain.process.returncode == 0, text[-4000:]
     assert "\x1b" not in text and "\r" not in text, "control characters on a console that is not a terminal"
     assert re.search(r"raytrain: Ray dashboard: http://127\.0\.0\.1:\d+", text), text[:3000]
     assert "raytrain: starting Spark on Ray" in text
@@ -119,9 +86,9 @@ def test_console_tells_the_stages_without_a_terminal(plain, storage_root):
     _assert_no_noise(text)
 
 
-def test_log_file_holds_what_the_console_does_not(plain, storage_root):
-    log_path = _log_path(plain.stdout)
-    assert log_path.startswith(os.path.join(_run_dir(storage_root), "reports", "logs") + os.sep)
+def test_log_file_holds_what_the_console_does_not(plain):
+    log_path = _log_path(plain.process.stdout)
+    assert log_path.startswith(os.path.join(plain.run_dir, "reports", "logs") + os.sep)
     with open(log_path, encoding="utf-8", errors="replace") as f:
         log_text = ANSI.sub("", f.read())  # Ray colors its worker prefixes even in a file
     for what in ("py4j", "Spark / log4j", "Ray's own banner", "Ray Data"):
@@ -129,41 +96,41 @@ def test_log_file_holds_what_the_console_does_not(plain, storage_root):
     # worker output: Ray forwards every line into the log; the [raytrain] ones also reached the console
     assert re.search(rf"\(RayTrainWorker pid=\d+\) .*\[raytrain\] step {STEPS}/{STEPS} loss", log_text)
     assert "enrich summary:" in log_text and "dedup ratio" in log_text  # the full summary: the log only
-    assert "dedup ratio" not in plain.stdout
+    assert "dedup ratio" not in plain.process.stdout
 
 
-def test_session_records_dashboard_and_log(plain, storage_root):
-    with open(os.path.join(_run_dir(storage_root), "reports", "session.json")) as f:
+def test_session_records_dashboard_and_log(plain):
+    with open(os.path.join(plain.run_dir, "reports", "session.json")) as f:
         session = json.load(f)
-    assert session["log_file"] == _log_path(plain.stdout)
-    assert f"Ray dashboard: {session['dashboard_url']}" in plain.stdout
+    assert session["log_file"] == _log_path(plain.process.stdout)
+    assert f"Ray dashboard: {session['dashboard_url']}" in plain.process.stdout
 
 
-def test_quick_start_ran_with_token_auth(plain, storage_root):
+def test_quick_start_ran_with_token_auth(plain):
     """raytrain wrote the token (0600, not Ray's umask default) and told where it is; the token itself is on
     neither the console nor the log file nor anywhere in the run's folder."""
-    path = _token_path(storage_root)
+    path = plain.token_path
     assert os.stat(path).st_mode & 0o777 == 0o600
     with open(path) as f:
         token = f.read().strip()
     assert len(token) >= 32
-    assert f"(token authentication: paste the token `ray get-auth-token` prints, from {path})" in plain.stdout
-    assert token not in plain.stdout + plain.stderr
-    for folder, _, files in os.walk(_run_dir(storage_root)):
+    assert f"(token authentication: paste the token `ray get-auth-token` prints, from {path})" in plain.process.stdout
+    assert token not in plain.process.stdout + plain.process.stderr
+    for folder, _, files in os.walk(plain.run_dir):
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:
                 assert token.encode() not in f.read(), os.path.join(folder, name)
 
 
-def test_charts_and_status_of_the_run(plain, storage_root):
-    charts = os.path.join(_run_dir(storage_root), "reports", "charts")
+def test_charts_and_status_of_the_run(plain):
+    charts = os.path.join(plain.run_dir, "reports", "charts")
     assert sorted(os.listdir(charts)) == ["loss.png", "lr.png", "similarity.png", "token_lengths.png"]
     for name in os.listdir(charts):
         with open(os.path.join(charts, name), "rb") as f:
             data = f.read()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
-    out = subprocess.run([sys.executable, "-m", "raytrain.cli", "status", _run_dir(storage_root)], cwd=REPO,
-                         env=_env(storage_root), capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "raytrain.cli", "status", plain.run_dir], cwd=REPO,
+                         env=plain.env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"training     step {STEPS}, loss" in out.stdout and "eval loss" in out.stdout
     assert "running      no" in out.stdout and "loss.png" in out.stdout and "logs " in out.stdout

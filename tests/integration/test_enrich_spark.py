@@ -1,5 +1,6 @@
 """The enrichment on real Spark-on-Ray (RayDP), the real all-MiniLM-L6-v2 and the real Mistral v3 tokenizer, on the
-sample dataset with its answer key (planted.json). One Ray, one Spark session, one enrich run for the module."""
+sample dataset with its answer key (planted.json). The enrichment checked is the session's shared demo run
+(tests/demo_run.py); the tests that enrich again (a schema error, a reused corpus table) share the module's Ray."""
 
 import json
 import os
@@ -19,25 +20,28 @@ from raytrain.enrich.context import context_block, final_answer, is_toggle_line
 from raytrain.enrich.job import run_enrich
 from raytrain.errors import RaytrainError
 from raytrain.sample_data import load_corpus_key, load_planted, write_sample_dataset
-from raytrain.storage import MANIFEST, resolve
+from raytrain.storage import MANIFEST, RunPaths, resolve
 
 DERIVE_REASONS = ("missing_uuid", "missing_messages", "bad_role", "undecodable_text", "empty_answer", "too_long")
 
 
 @pytest.fixture(scope="module")
-def out(ray_local, tmp_path_factory):
-    root = tmp_path_factory.mktemp("enrich")
-    sample = write_sample_dataset(str(root / "sample"))
-    job = load_job_config("configs/demo.yaml", [f"storage.root={root / 'runs'}", "storage.user=ci",
-                                                "enrich.num_partitions=2"])
-    run_root = resolve(str(root / "runs" / "ci" / "demo" / "enrich"))
-    result = run_enrich(job, resolve(sample.out_dir), run_root, eval_sets=(sample.eval_path,))
+def out(demo_data, tmp_path_factory):
+    """The demo run's enrichment (the session's shared run: Spark on Ray via the CLI), read back with pyarrow; the
+    sample written again here is the one the run enriched (byte for byte: the generator is deterministic)."""
+    sample = write_sample_dataset(str(tmp_path_factory.mktemp("enrich") / "sample"))
+    job, run_root = demo_data.job(), demo_data.root
+    for path in sample.all_files():
+        run_input = os.path.join(run_root.join("data", "sample").path, os.path.relpath(path, sample.out_dir))
+        assert open(path, "rb").read() == open(run_input, "rb").read(), path
+    paths = RunPaths(run_root)
     raw = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
     return SimpleNamespace(
-        job=job, run_root=run_root, result=result, report=result.report, raw=raw, sample=sample,
+        job=job, run_root=run_root, enriched_loc=paths.enriched, sample=sample, raw=raw,
         planted=load_planted(sample.out_dir),
-        enriched=pq.read_table(result.enriched.path).to_pylist(),  # pyarrow, not our code, reads Spark's output
-        quarantine=pq.read_table(result.quarantine.path).to_pylist(),
+        report=json.loads(paths.reports.join("enrich_report.json").read_text()),
+        enriched=pq.read_table(paths.enriched.path).to_pylist(),  # pyarrow, not our code, reads Spark's output
+        quarantine=pq.read_table(paths.quarantine.path).to_pylist(),
     )
 
 
@@ -125,10 +129,10 @@ def test_every_row_accounted_for(out):
         assert step["rows_in"] == step["rows_out"] + sum(step["quarantined"].values())
     seen = [r["uuid"] for r in out.enriched] + [q["uuid"] for q in out.quarantine if q["uuid"]]
     assert sorted(seen) == sorted(r["uuid"] for r in out.raw if r["uuid"])
-    files = sorted(p for p in os.listdir(out.result.enriched.path) if p.endswith(".parquet"))
+    files = sorted(p for p in os.listdir(out.enriched_loc.path) if p.endswith(".parquet"))
     assert len(files) > 1  # hash-partitioned by uuid, no global sort: each file sorted, the files' order fixed
     for name in files:
-        uuids = pq.read_table(os.path.join(out.result.enriched.path, name), columns=["uuid"]).column("uuid").to_pylist()
+        uuids = pq.read_table(os.path.join(out.enriched_loc.path, name), columns=["uuid"]).column("uuid").to_pylist()
         assert uuids == sorted(uuids), name
 
 
@@ -249,7 +253,7 @@ def test_enriched_conversations_tokenize_like_mistral_common(out):
 
 
 def test_manifest_and_summary_written(out):
-    loc = out.result.enriched
+    loc = out.enriched_loc
     manifest = json.loads(loc.join(MANIFEST).read_text())
     assert manifest["config_hash"] == out.job.data_hash()
     assert manifest["enriched"]["files"] == sorted(n for n in os.listdir(loc.path) if n.endswith(".parquet"))
@@ -281,15 +285,15 @@ def test_manifest_and_summary_written(out):
     assert sim["min"] <= sim["p50"] <= sim["p90"] <= sim["max"]
 
 
-def test_hand_off_packs_without_error(out):
+def test_hand_off_packs_without_error(out, ray_local, tmp_path):
     from raytrain.dataset.stream import pack_enriched
 
-    packed = pack_enriched(out.result.enriched, out.run_root.join("data", "packed"), out.job.dataset, "h")
+    packed = pack_enriched(out.enriched_loc, resolve(str(tmp_path / "packed")), out.job.dataset, "h")
     held_out = packed.validation.num_real_tokens if packed.validation else 0  # the demo holds 5% out
     # every enriched row's tokens, in training or validation: nothing chunked, nothing cut, nothing lost
     assert packed.num_real_tokens + held_out == sum(r["num_tokens"] for r in out.enriched)
     # the same enriched rows always give the same packs (Ray Data keeps the files' row order through packing)
-    again_packed = pack_enriched(out.result.enriched, out.run_root.join("data", "packed-again"), out.job.dataset, "h")
+    again_packed = pack_enriched(out.enriched_loc, resolve(str(tmp_path / "packed-again")), out.job.dataset, "h")
 
     def packs_of(data):  # every pack's columns; sorted, as the written files' names differ per write
         return sorted(row for p in data.files for row in pq.read_table(p).to_pandas().astype(str).values.tolist())
@@ -307,7 +311,7 @@ def test_hand_off_packs_without_error(out):
         np.testing.assert_array_equal(stored[name], again[name], err_msg=name)
 
 
-def test_schema_error_names_column_and_file(out, tmp_path):
+def test_schema_error_names_column_and_file(out, ray_local, tmp_path):
     good = pq.read_table(out.sample.split_files["chat"][0])
     bad = good.set_column(good.schema.get_field_index("messages"), "messages",
                           pa.array(["not a list"] * good.num_rows))
@@ -410,7 +414,7 @@ def test_corpus_report(out):
     assert "context corpus" in summary and "removed as contaminated" in summary and "most-used documents" in summary
 
 
-def test_corpus_table_reused_and_approximate_search_equals_exact(out, tmp_path):
+def test_corpus_table_reused_and_approximate_search_equals_exact(out, ray_local, tmp_path):
     """A second run with the same corpus and model reads the embedded table (same files, nothing embedded) and,
     told to search approximately above 10 sentences, builds the faiss index: recall@k 1.0 on this small corpus,
     and the rows get the same corpus sentences as the exact search gave them."""

@@ -1,5 +1,7 @@
-"""The thin slice end to end on CPU: sample Parquet -> Spark on Ray -> Ray Data tokenize/pack -> TorchTrainer with
-2 workers, each one DeepSpeed pipeline stage of a tiny Mistral -> checkpoint -> resume."""
+"""The thin slice end to end on CPU: sample Parquet -> Spark on Ray -> Ray Data tokenize/pack (the session's shared
+demo run, tests/demo_run.py) -> TorchTrainer with 2 workers, each one DeepSpeed pipeline stage of a tiny Mistral ->
+checkpoint -> resume. This module's runs train on a copy of the demo run's packed data: the same settings, so the
+runner skips its data stages, as a relaunch of one run does."""
 
 import hashlib
 import json
@@ -27,17 +29,25 @@ def _metrics(run):
         return [json.loads(line) for line in f]
 
 
+def _copy_packed(src_job, dst_job) -> None:
+    """The packed sequences of `src_job`'s run into `dst_job`'s (same data settings: the run skips enrich and
+    pack)."""
+    assert src_job.data_hash() == dst_job.data_hash()
+    shutil.copytree(open_run(src_job).paths.packed.path, open_run(dst_job).paths.packed.path)
+
+
 @pytest.fixture(scope="module")
-def first_run(ray_local, tmp_path_factory):
+def first_run(demo_data, ray_local, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     # the schedule spans 8 steps; this launch stops at 6 (as a preempted allocation would)
     job = _job(root, "e2e", "train.max_steps=8", "train.stop_at_step=6")
+    _copy_packed(demo_data.job(), job)
     summary = run_sft(job)
     return root, job, summary
 
 
-def test_enrich_and_pack_outputs(first_run):
-    root, job, _ = first_run
+def test_enrich_and_pack_outputs(demo_data):
+    job = demo_data.job()
     run = open_run(job)
     report = json.loads(open(run.root.join("reports", "enrich_report.json").path).read())
     assert report["rows_out"] > 0
@@ -52,7 +62,7 @@ def test_enrich_and_pack_outputs(first_run):
     assert {len(x) for x in packed.column("input_ids").to_pylist()} == {job.dataset.seq_len}
 
 
-def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run):
+def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run, demo_data):
     from raytrain.dataset.stream import validation_mask
     from raytrain.trainer.feed import epoch_order
 
@@ -67,7 +77,7 @@ def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run):
         return {u for name in files for ids in pq.read_table(os.path.join(folder, name), columns=["doc_ids"])
                 .column("doc_ids").to_pylist() for u in ids.split(",")}
 
-    enriched = pq.read_table(run.root.join("data", "enriched").path, columns=["uuid"]).column("uuid").to_pylist()
+    enriched = pq.read_table(open_run(demo_data.job()).paths.enriched.path, columns=["uuid"]).column("uuid").to_pylist()
     expected = {u for u, held in zip(enriched, validation_mask(enriched, held_out["fraction"]), strict=True) if held}
     train_uuids = uuids(packed_dir, manifest["files"])
     validation_uuids = uuids(os.path.join(packed_dir, "validation"), held_out["files"])
@@ -126,7 +136,7 @@ def test_checkpoints_committed(first_run):
     assert any("layer_04-model_states.pt" in f for f in files)
 
 
-def test_run_is_owned_fenced_and_closed_to_other_users(first_run):
+def test_run_is_owned_fenced_and_closed_to_other_users(first_run, demo_data):
     """The run records its owner and its lock's generation (one acquisition so far); the folders down to it are
     0750 and every checkpoint file the trainer workers (DeepSpeed's torch.save, the store) wrote is 0640."""
     import stat
@@ -145,8 +155,10 @@ def test_run_is_owned_fenced_and_closed_to_other_users(first_run):
                 stat.S_IMODE(os.stat(os.path.join(dirpath, name)).st_mode) & 0o777
     assert modes and all(mode == (0o750 if os.path.isdir(os.path.join(checkpoints, rel)) else 0o640)
                          for rel, mode in modes.items()), modes
-    # nothing in the run, Spark's and Ray Data's output included, is open to other users
-    open_to_others = [os.path.join(d, n) for d, dirs, names in os.walk(run.root.path) for n in dirs + names
+    # nothing in the run, nor in the demo run whose data it trained on (Spark's and Ray Data's output), is open to
+    # other users
+    open_to_others = [os.path.join(d, n) for top in (run.root.path, demo_data.run_dir)
+                      for d, dirs, names in os.walk(top) for n in dirs + names
                       if os.stat(os.path.join(d, n)).st_mode & 0o007]
     assert not open_to_others, open_to_others[:5]
 
