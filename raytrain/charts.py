@@ -1,6 +1,6 @@
 """Pictures of a run, drawn from its own files with matplotlib (Agg, no display): PNGs under ``reports/charts/``.
 
-    loss.png            training loss per step, eval loss (held-out) and benchmark loss where measured
+    loss.png            training loss per step, validation loss (held-out) and benchmark loss where measured
     lr.png              learning rate per step
     token_lengths.png   tokens per kept conversation, one histogram per split, dataset.seq_len marked
     similarity.png      context-selection scores: every candidate sentence vs the kept ones (combined score), and
@@ -83,7 +83,7 @@ def loss_chart(metrics: list[dict], out_path: str) -> str:
     fig, ax = _figure("loss", "step", "loss (nats per target token)")
     steps, loss = _series(metrics, "loss")
     ax.plot(steps, loss, marker=".", label="training loss")
-    for key, label, marker in (("eval_loss", "eval loss (held out)", "o"), ("benchmark_loss", "benchmark loss", "s")):
+    for key, label, marker in (("validation_loss", "validation loss (held out)", "o"), ("benchmark_loss", "benchmark loss", "s")):
         s, v = _series(metrics, key)
         if s:
             ax.plot(s, v, marker=marker, linestyle="--", label=label)

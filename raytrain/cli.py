@@ -204,7 +204,7 @@ def _stages(args: argparse.Namespace, job, con: console.Console) -> int:
 
         summary = (run_sft if args.command == "run" else run_train)(job, max_failures=args.max_failures)
         final = summary["final"]
-        held_out = "".join(f", {label} {final[key]:.4f}" for key, label in (("eval_loss", "eval loss"),
+        held_out = "".join(f", {label} {final[key]:.4f}" for key, label in (("validation_loss", "validation loss"),
                                                                             ("benchmark_loss", "benchmark loss"))
                            if key in final)
         con.line("")

@@ -225,7 +225,7 @@ class DatasetConfig:
     """v3 only (v1 keeps both): an assistant turn with text (e.g. a <think> trace) and tool calls cannot be encoded;
     'drop_text' keeps the calls and drops the text (counted in the enrich report), 'quarantine' quarantines the row."""
     validation_fraction: float = 0.0
-    """Share of the enriched rows held out for validation (eval loss), chosen by a hash of the uuid: the same rows
+    """Share of the enriched rows held out for validation (validation loss), chosen by a hash of the uuid: the same rows
     on every rerun and resume, never trained on. 0 = no validation set."""
     validation_max_rows: int = 2000
     """Cap on the held-out rows: the fraction is lowered to about this many rows of a large dataset."""
@@ -341,7 +341,7 @@ class TrainConfig:
     keep_last: int = 3
     """Checkpoints to keep (the newest K; the one resumed from is never deleted)."""
     keep_best: str = ""
-    """Also keep the checkpoint with the lowest value of this metric (e.g. 'loss'); empty = none."""
+    """Also keep the checkpoint with the lowest value of this metric (e.g. 'validation_loss'); empty = none."""
     on_corrupt_checkpoint: str = "error"
     """A checkpoint whose files fail the manifest check: 'error' (stop, naming the file) or 'fallback' (resume
     from the newest older good one)."""
@@ -370,6 +370,8 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the last step)")
         _require(self.sample_new_tokens >= 0, "train.sample_new_tokens", "must be >= 0 (0 = no samples)")
+        _require(self.keep_best != "eval_loss", "train.keep_best", "the metric 'eval_loss' is now "
+                 "'validation_loss' (the loss on the held-out rows): write keep_best: validation_loss")
         for tracker in self.tracking:
             _require(tracker in ("mlflow", "wandb"), "train.tracking", f"{tracker!r}: choose 'mlflow' and/or 'wandb'")
         _require(self.wandb_mode in ("offline", "online"), "train.wandb_mode", f"{self.wandb_mode!r}: choose "

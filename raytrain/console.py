@@ -143,7 +143,7 @@ class _ConsoleHandler(logging.Handler):
 
 def _print_worker_lines(data: dict[str, Any]) -> None:
     for text in worker_console_lines(data):
-        _active.line(text, style="cyan" if "eval loss" in text or "checkpoint" in text else None)
+        _active.line(text, style="cyan" if "validation loss" in text or "checkpoint" in text else None)
 
 
 def hook_worker_output() -> None:

@@ -146,10 +146,10 @@ def run_summary_lines(run_uri: str) -> list[str]:
     summary = _read_json(RunPaths(rdir).reports.join("run_summary.json")) or {}
     if metrics:
         last = metrics[-1]
-        evals = [m for m in metrics if isinstance(m.get("eval_loss"), int | float)]
+        evals = [m for m in metrics if isinstance(m.get("validation_loss"), int | float)]
         text = f"  training     step {last['step']}, loss {last.get('loss', float('nan')):.4f}"
         if evals:
-            text += f", eval loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}"
+            text += f", validation loss {evals[-1]['validation_loss']:.4f} at step {evals[-1]['step']}"
         if last.get("tokens_seen"):
             text += f", {last['tokens_seen']:,} tokens seen"
         lines.append(text)

@@ -69,7 +69,7 @@ OpenPacks = Callable[[PackedFiles], PackSource]
 
 
 class Evaluator:
-    """The held-out evaluation: each set (``eval_loss``: validation packs, ``benchmark_loss``: the eval-set items)
+    """The held-out evaluation: each set (``validation_loss``: validation packs, ``benchmark_loss``: the eval-set items)
     evaluated whole, dp replicas sharing its micro-batches; a data-reading rank reads its micro-batches once and
     keeps them in memory. Every ``eval_every`` steps and at the last step."""
 

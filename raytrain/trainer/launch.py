@@ -104,7 +104,7 @@ class StopOnUnretryableError(ray.train.UserCallback):
 def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_failures: int = 0,
           fence: Fence | None = None) -> TrainResult:
     """Fit the TorchTrainer on the ``packed`` sequences; their validation packs (``packed.validation``) give the
-    eval loss every train.eval_every steps and at the end. ``fence``: the driver's run-lock token and generation;
+    validation loss every train.eval_every steps and at the end. ``fence``: the driver's run-lock token and generation;
     the workers' checkpoint store refuses to commit or clean up once the run's lock holds another."""
     tc = job.train
     num_packs = packed.num_packs
@@ -113,7 +113,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     ds_config = derive_ds_config(load_ds_config(tc.ds_config), tc, ds_path=tc.ds_config)
     check_enough_packs(num_packs, tc.micro_batch_size, tc.dp, tc.grad_accum_steps)
     if validation is None and tc.eval_every:
-        log.warning("train.eval_every=%d but the run has no validation set: no eval loss (set "
+        log.warning("train.eval_every=%d but the run has no validation set: no validation loss (set "
                     "dataset.validation_fraction > 0)", tc.eval_every)
     if tc.tracking and not run_root.is_posix and (("mlflow" in tc.tracking and not tc.mlflow_uri)
                                                   or "wandb" in tc.tracking and tc.wandb_mode == "offline"):

@@ -49,7 +49,7 @@ class LoopConfig:
     packed: PackedFiles
     """The training packs."""
     validation: PackedFiles | None = None
-    """The held-out packs (eval_loss), None when none or too few for dp."""
+    """The held-out packs (validation_loss), None when none or too few for dp."""
     benchmark: PackedFiles | None = None
     """The eval sets' items (benchmark_loss), None when none."""
     local_reports_dir: str | None = None
@@ -95,11 +95,11 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
     step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc, RunPaths(store.run_root).reports)
     train_packs = open_packs(cfg.packed)
     feed = _Feed(train_packs, topo, tc, step) if topo.needs_data else None
-    held = {metric: open_packs(packed) for metric, packed in (("eval_loss", cfg.validation),
+    held = {metric: open_packs(packed) for metric, packed in (("validation_loss", cfg.validation),
                                                               ("benchmark_loss", cfg.benchmark)) if packed}
     evaluator = Evaluator(stage, topo, job, held)
-    samples = Samples(stage, job, topo, held["eval_loss"], cfg.local_reports_dir) \
-        if tc.sample_new_tokens and "eval_loss" in held else None
+    samples = Samples(stage, job, topo, held["validation_loss"], cfg.local_reports_dir) \
+        if tc.sample_new_tokens and "validation_loss" in held else None
     sink = MetricsSink(job, topo, cfg.local_reports_dir, step, {m: s.num_packs for m, s in held.items()}, report)
     clock = _StepClock(job, topo, step, int(resumed_metrics.get("tokens_seen") or 0), mfu_of)
     end_step = tc.stop_at_step or tc.max_steps

@@ -21,8 +21,8 @@ from raytrain.trainer.tracking import Trackers
 TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "real_tokens_per_s", "tokens_seen", "step_time_s", "mfu")
 """Step metrics written as TensorBoard scalars ``train/<name>``."""
 
-EVAL_LABELS = {"eval_loss": ("eval loss", "held-out sequences", "eval/loss"),
-               "benchmark_loss": ("benchmark loss", "eval-set sequences", "eval/benchmark_loss")}
+EVAL_LABELS = {"validation_loss": ("validation loss", "held-out sequences", "validation/loss"),
+               "benchmark_loss": ("benchmark loss", "eval-set sequences", "benchmark/loss")}
 """Evaluation metric -> (console label, what its sequences are, TensorBoard tag)."""
 
 

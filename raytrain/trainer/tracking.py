@@ -2,7 +2,7 @@
 (``ray.air.integrations.mlflow.setup_mlflow`` / ``.wandb.setup_wandb``), opened by rank 0 of the TorchTrainer.
 
 Each logs the resolved config once (dotted keys) and every step's numeric metrics (loss, lr, grad norm, tokens/s,
-eval loss, ...) at the optimizer step. Offline by default: MLflow writes a file store under the run's
+validation loss, ...) at the optimizer step. Offline by default: MLflow writes a file store under the run's
 ``reports/mlruns`` (``train.mlflow_uri`` names a server instead), W&B an offline run under ``reports/wandb``
 (``wandb sync`` uploads it later; ``train.wandb_mode: online`` needs WANDB_API_KEY).
 """

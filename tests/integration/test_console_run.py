@@ -79,9 +79,9 @@ def test_console_tells_the_stages_without_a_terminal(plain):
     assert re.search(r"raytrain: dataset: \d+ conversations -> \d+ packed sequences", text)
     steps = [int(s) for s in re.findall(rf"\[raytrain\] step (\d+)/{STEPS} loss [0-9.]+ lr .* tok/s .* eta", text)]
     assert sorted(set(steps)) == list(range(1, STEPS + 1)), text[-3000:]
-    assert re.search(rf"\[raytrain\] step {STEPS}/{STEPS} eval loss [0-9.]+", text)
+    assert re.search(rf"\[raytrain\] step {STEPS}/{STEPS} validation loss [0-9.]+", text)
     assert f"[raytrain] checkpoint step {STEPS} -> " in text
-    assert re.search(rf"raytrain: trained to step {STEPS} \(loss [0-9.]+, eval loss [0-9.]+", text)
+    assert re.search(rf"raytrain: trained to step {STEPS} \(loss [0-9.]+, validation loss [0-9.]+", text)
     assert "raytrain: charts in " in text
     _assert_no_noise(text)
 
@@ -132,7 +132,7 @@ def test_charts_and_status_of_the_run(plain):
     out = subprocess.run([sys.executable, "-m", "raytrain.cli", "status", plain.run_dir], cwd=REPO,
                          env=plain.env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert f"training     step {STEPS}, loss" in out.stdout and "eval loss" in out.stdout
+    assert f"training     step {STEPS}, loss" in out.stdout and "validation loss" in out.stdout
     assert "running      no" in out.stdout and "loss.png" in out.stdout and "logs " in out.stdout
 
 

@@ -96,8 +96,8 @@ def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run, demo_
         consumed = [digest for row in map(json.loads, f) for _, digest in row["consumed"]]
     assert consumed and set(consumed) <= train_digests
 
-    # eval loss every train.eval_every steps and at the last step of the launch (stop_at_step=6)
-    evaluated = {m["step"]: m["eval_loss"] for m in _metrics(run) if "eval_loss" in m}
+    # validation loss every train.eval_every steps and at the last step of the launch (stop_at_step=6)
+    evaluated = {m["step"]: m["validation_loss"] for m in _metrics(run) if "validation_loss" in m}
     assert sorted(evaluated) == [5, 6] and all(math.isfinite(v) for v in evaluated.values())
 
     # the decontamination eval set's question/answer items, packed as conversations, give the benchmark loss at the
@@ -193,9 +193,9 @@ def test_resume_continues_and_matches_uninterrupted(first_run, tmp_path_factory)
     straight = _metrics(open_run(fresh))
     # bit-exact on CPU with fixed seeds: same losses step by step, and the same final weights
     assert [m["loss"] for m in straight] == [m["loss"] for m in metrics]
-    # eval losses too: the same validation set and weights at steps 5 and 8 (the first launch also evaluated at 6)
-    resumed_eval = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
-    straight_eval = {m["step"]: m["eval_loss"] for m in straight if "eval_loss" in m}
+    # validation losses too: the same validation set and weights at steps 5 and 8 (the first launch also evaluated at 6)
+    resumed_eval = {m["step"]: m["validation_loss"] for m in metrics if "validation_loss" in m}
+    straight_eval = {m["step"]: m["validation_loss"] for m in straight if "validation_loss" in m}
     assert sorted(resumed_eval) == [5, 6, 8] and sorted(straight_eval) == [5, 8]
     assert resumed_eval[5] == straight_eval[5] and resumed_eval[8] == straight_eval[8]
     # tokens seen carries over the resume; real (non-padding) tokens never exceed the global batch's slots
@@ -212,10 +212,10 @@ def test_resume_continues_and_matches_uninterrupted(first_run, tmp_path_factory)
     board = EventAccumulator(open_run(resumed_job).root.join("reports", "tensorboard").path)
     board.Reload()
     assert {"train/loss", "train/lr", "train/grad_norm", "train/real_tokens_per_s", "train/tokens_seen",
-            "eval/loss", "eval/benchmark_loss"} <= set(board.Tags()["scalars"])
-    evaluated = [m for m in metrics if "eval_loss" in m]
-    assert [e.step for e in board.Scalars("eval/loss")] == [m["step"] for m in evaluated]
-    assert [e.value for e in board.Scalars("eval/loss")] == pytest.approx([m["eval_loss"] for m in evaluated],
+            "validation/loss", "benchmark/loss"} <= set(board.Tags()["scalars"])
+    evaluated = [m for m in metrics if "validation_loss" in m]
+    assert [e.step for e in board.Scalars("validation/loss")] == [m["step"] for m in evaluated]
+    assert [e.value for e in board.Scalars("validation/loss")] == pytest.approx([m["validation_loss"] for m in evaluated],
                                                                           rel=1e-6)
     for tag, key in (("train/loss", "loss"), ("train/grad_norm", "grad_norm"), ("train/tokens_seen", "tokens_seen")):
         events = board.Scalars(tag)

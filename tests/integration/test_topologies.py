@@ -241,8 +241,8 @@ def test_first_step_loss_is_the_token_mean_over_the_global_batch(pp2_dp2):
 
 
 @pytest.mark.parametrize("topology", ["pp2_dp2", "pp1_dp2"])
-def test_eval_loss_is_the_token_mean_over_the_validation_set(topology, request):
-    """At the last step: the eval loss equals a single-process forward of the step-4 checkpoint's weights
+def test_validation_loss_is_the_token_mean_over_the_validation_set(topology, request):
+    """At the last step: the validation loss equals a single-process forward of the step-4 checkpoint's weights
     (DeepSpeed's layer files, torch.load) over every held-out pack (pyarrow), per target token; dp replicas share
     the set (one of them gets the short last micro-batch)."""
     import torch
@@ -264,9 +264,9 @@ def test_eval_loss_is_the_token_mean_over_the_validation_set(topology, request):
     loss_sum, targets, _ = _token_losses(model.eval(), os.path.join(packed_dir, "validation"), held_out["files"],
                                          job.train.micro_batch_size)
     reference = loss_sum / targets
-    evaluated = [m for m in reports["metrics"] if "eval_loss" in m]
+    evaluated = [m for m in reports["metrics"] if "validation_loss" in m]
     assert [m["step"] for m in evaluated] == [STEPS]  # train.eval_every=0: only at the end
-    assert evaluated[0]["eval_loss"] == pytest.approx(reference, rel=1e-5)
+    assert evaluated[0]["validation_loss"] == pytest.approx(reference, rel=1e-5)
 
 
 def test_mlflow_and_wandb_record_the_run_offline(pp1_dp2):
@@ -286,7 +286,7 @@ def test_mlflow_and_wandb_record_the_run_offline(pp1_dp2):
     history = client.get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == list(range(1, STEPS + 1))
     assert [m.value for m in history] == pytest.approx([m["loss"] for m in reports["metrics"]])
-    assert client.get_metric_history(run.info.run_id, "eval_loss")[-1].step == STEPS
+    assert client.get_metric_history(run.info.run_id, "validation_loss")[-1].step == STEPS
 
     (offline_run,) = glob.glob(os.path.join(reports_dir, "wandb", "offline-run-*"))
     (log_file,) = glob.glob(os.path.join(offline_run, "*.wandb"))

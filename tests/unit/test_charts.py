@@ -35,7 +35,7 @@ def write_metrics(run_dir, losses, eval_at=(5, 10)):
         for step, loss in enumerate(losses, 1):
             record = {"step": step, "loss": loss, "lr": 3e-3 * min(1.0, step / 2), "tokens_seen": 1000 * step}
             if step in eval_at:
-                record["eval_loss"] = loss + 0.05
+                record["validation_loss"] = loss + 0.05
             f.write(json.dumps(record) + "\n")
 
 
@@ -112,7 +112,7 @@ def test_status_of_one_run(tmp_path):
     assert lines[0] == f"run file://{run}"
     assert "owner        ci" in text  # no owner.json (written by a job): the namespace folder's user
     assert "running      no" in text
-    assert "step 10, loss 9.4000, eval loss 9.4500 at step 10, 10,000 tokens seen" in text
+    assert "step 10, loss 9.4000, validation loss 9.4500 at step 10, 10,000 tokens seen" in text
     assert "checkpoints  2 (steps 5, 10)" in text
     assert "70 rows in -> 60 kept, 10 quarantined (too_many_tokens 10)" in text
     assert "loss.png" in text and "similarity.png" in text

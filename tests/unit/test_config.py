@@ -266,3 +266,10 @@ def test_out_of_range_values_name_the_field(override, message):
     for ok in ("enrich.min_score=-1", "enrich.min_score=1", "train.lr=1", "train.weight_decay=0",
                "enrich.executor_memory=512m", "enrich.executor_memory=4G", "dataset.split_weights=[math=2.5]"):
         load_job_config(None, [ok])
+
+
+def test_the_renamed_validation_metric_is_named_when_keep_best_uses_the_old_one():
+    with pytest.raises(ConfigError, match=r"train\.keep_best: the metric 'eval_loss' is now 'validation_loss'"):
+        load_job_config(DEMO, ["train.keep_best=eval_loss"])
+    assert load_job_config(DEMO, ["train.keep_best=validation_loss"]).train.keep_best == \
+        "validation_loss"

@@ -135,7 +135,7 @@ def test_checkpoint_and_eval_cadence_and_every_output(tmp_path):
                                     "train.keep_last=10")
     assert [r["step"] for r in reported] == [1, 2, 3, 4, 5, 6, 7]
     assert _committed_steps(tmp_path) == [3, 6, 7]  # every checkpoint_every steps and the last
-    evaluated = [r["step"] for r in reported if "eval_loss" in r]
+    evaluated = [r["step"] for r in reported if "validation_loss" in r]
     assert evaluated == [2, 4, 6, 7]  # every eval_every steps and the last
     assert stage.eval_calls == [2] * 4  # 4 validation packs / micro_batch_size 2, the whole set each time
     lines = [json.loads(x) for x in open(os.path.join(reports, "metrics.jsonl"))]
@@ -147,9 +147,9 @@ def test_checkpoint_and_eval_cadence_and_every_output(tmp_path):
 
 def test_no_eval_every_evaluates_only_the_last_step(tmp_path):
     stage, reported, _ = _run(tmp_path, "train.eval_every=0")
-    assert [r["step"] for r in reported if "eval_loss" in r] == [7]
+    assert [r["step"] for r in reported if "validation_loss" in r] == [7]
     _stage, reported_without, _ = _run(tmp_path / "b", "train.eval_every=2", validation=0)
-    assert not any("eval_loss" in r for r in reported_without)  # no validation packs: no evaluation
+    assert not any("validation_loss" in r for r in reported_without)  # no validation packs: no evaluation
 
 
 def test_stop_then_resume_continues_at_the_exact_position(tmp_path):
