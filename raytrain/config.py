@@ -41,6 +41,8 @@ SYSTEM_PROMPT_MODES = ("keep", "select")
 ANSWER_TEXTS = ("final", "full")
 """enrich.answer_text values (raytrain.enrich.conversation.answer_for_scoring applies them)."""
 ATTENTION_IMPLS = ("dense", "segment", "flex")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""transformers' names of the Mistral projections a LoRA adapter can sit on (our layers use the same names)."""
 """model.attn_impl values (raytrain.pipeline.attention implements them)."""
 
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
@@ -271,6 +273,30 @@ class DatasetConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, peft's layers) on the decoder layers' projections; the base weights stay frozen."""
+
+    rank: int = 0
+    """Adapter rank r (0 = off: every weight trains)."""
+    alpha: float = 16.0
+    """Adapter scale: its output is multiplied by alpha / rank (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (peft's lora_dropout), in [0, 1)."""
+    targets: tuple[str, ...] = LORA_TARGETS
+    """The projections that get an adapter, by transformers' Mistral module names (default: all seven)."""
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, "model.lora.rank", f"{self.rank}: must be >= 0 (0 = off)")
+        _require(self.alpha > 0, "model.lora.alpha", f"{self.alpha}: must be > 0 (e.g. 16, or 2 x rank)")
+        _require(0 <= self.dropout < 1, "model.lora.dropout", f"{self.dropout}: must be in [0, 1)")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        _require(not unknown, "model.lora.targets", f"unknown module name(s) {unknown}: choose from "
+                 f"{list(LORA_TARGETS)}")
+        _require(bool(self.targets) and len(set(self.targets)) == len(self.targets), "model.lora.targets",
+                 f"{list(self.targets)}: name each projection once, at least one")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     preset: str = "tiny"
     """Mistral architecture preset: tiny (2 layers, hidden 64), tiny-4l, small, mistral-7b; or "hf" = the
@@ -281,6 +307,8 @@ class ModelConfig:
     """Attention over packed sequences (raytrain.pipeline.attention): "dense" (one (T, T) mask, the reference),
     "segment" (SDPA per packed document, no mask; exact, fastest on the H200 at Mistral-7B shape), "flex"
     (FlexAttention block mask; needs CUDA: torch has no CPU backward for it)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of a full fine-tune (model.lora.rank > 0)."""
 
     def __post_init__(self) -> None:
         _require(self.preset != "hf" or bool(self.init_from), "model.preset",

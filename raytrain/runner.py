@@ -418,6 +418,12 @@ def _preflight(run: Run) -> None:
     from raytrain.pipeline.model import check_num_stages, model_config
 
     job = run.job
+    if job.model.lora.rank:
+        raise ConfigError(
+            f"model.lora.rank={job.model.lora.rank}: runs cannot train LoRA adapters yet. The adapters exist on the "
+            "pipeline's layers (raytrain.pipeline.lora, checked against peft), but checkpoints that hold only them, "
+            "resume onto the same base and export to a PEFT folder do not: a run would not keep or export what it "
+            "trained. Use model.lora.rank=0 (a full fine-tune) for now.")
     derive_ds_config(load_ds_config(job.train.ds_config), job.train, ds_path=job.train.ds_config)
     model_cfg = model_config(job.model.preset, job.model.init_from)
     check_num_stages(model_cfg, job.train.pp)  # the rule build_pipeline_module applies on the workers

@@ -15,6 +15,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+from raytrain.config import LoraConfig
 from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
 from raytrain.pipeline.model import MistralConfig
 from raytrain.pipeline.module import build_pipeline_module
@@ -202,7 +203,9 @@ def init_distributed(backend: str) -> None:
 def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, pp: int, dp: int,
                        partition_method: str, activation_checkpoint_interval: int, seed: int,
                        init_from: str = "", attn_impl: str = "dense",
-                       activation_checkpoint_reentrant: bool = False) -> StageEngine:
+                       activation_checkpoint_reentrant: bool = False, lora: LoraConfig | None = None) -> StageEngine:
+    """This process's stage in a DeepSpeed engine: built, loaded from ``init_from`` (a Hugging Face folder) when
+    given, with LoRA adapters on a frozen base when ``lora.rank`` > 0 (only the adapters reach the optimizer)."""
     topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     module = build_pipeline_module(model_cfg, pp, topology=topology, partition_method=partition_method,
                                    activation_checkpoint_interval=activation_checkpoint_interval, seed=seed,
@@ -211,6 +214,10 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
         from raytrain.pipeline.hf_io import load_hf_into_stage
 
         load_hf_into_stage(module, init_from)
+    if lora is not None and lora.rank > 0:
+        from raytrain.pipeline.lora import add_adapters
+
+        add_adapters(module, lora, seed)
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config)
     keep_fp32_grad_norm(engine)

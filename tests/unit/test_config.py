@@ -273,3 +273,26 @@ def test_the_renamed_validation_metric_is_named_when_keep_best_uses_the_old_one(
         load_job_config(DEMO, ["train.keep_best=eval_loss"])
     assert load_job_config(DEMO, ["train.keep_best=validation_loss"]).train.keep_best == \
         "validation_loss"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.lora.rank=-1", r"model\.lora\.rank: -1: must be >= 0 \(0 = off\)"),
+    ("model.lora.alpha=0", r"model\.lora\.alpha: 0\.0: must be > 0"),
+    ("model.lora.dropout=1", r"model\.lora\.dropout: 1\.0: must be in \[0, 1\)"),
+    ("model.lora.dropout=-0.1", r"model\.lora\.dropout: -0\.1: must be in \[0, 1\)"),
+    ("model.lora.targets=[q_proj,qkv_proj]", r"model\.lora\.targets: unknown module name\(s\) \['qkv_proj'\]: "
+                                             r"choose from \['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', "
+                                             r"'up_proj', 'down_proj'\]"),
+    ("model.lora.targets=[q_proj,q_proj]", r"model\.lora\.targets: .* name each projection once"),
+])
+def test_lora_settings_are_checked_naming_the_field_and_valid_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(DEMO, [override])
+
+
+def test_lora_is_off_by_default_on_all_seven_projections():
+    lora = load_job_config(DEMO).model.lora
+    assert lora.rank == 0 and lora.targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj")
+    assert load_job_config(DEMO, ["model.lora.rank=8", "model.lora.targets=[q_proj,v_proj]"]).model.lora.targets == \
+        ("q_proj", "v_proj")

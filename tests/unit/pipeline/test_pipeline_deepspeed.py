@@ -13,9 +13,11 @@ import torch
 import transformers
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
+from raytrain.config import LoraConfig
 from raytrain.errors import RaytrainError
 from raytrain.pipeline.hf_io import export_to_hf, load_hf_into_stage
-from raytrain.pipeline.model import MistralConfig, hf_prefix
+from raytrain.pipeline.lora import adapter_state_dict, add_adapters, parameter_counts, peft_config
+from raytrain.pipeline.model import MistralConfig, hf_prefix, layer_parameter_counts
 from raytrain.pipeline.module import build_pipeline_module, stage_layer_ranges, stage_range
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -415,3 +417,154 @@ def test_export_casts_to_bf16_and_transformers_loads_it(tmp_path):
         for name, param in layer.named_parameters():
             assert torch.equal(state[hf_prefix(i, CFG) + name], param.detach().to(torch.bfloat16)), name
     assert loaded.generation_config.eos_token_id == 2
+
+
+# ---- LoRA on the pipeline's layers (raytrain.pipeline.lora) against peft on transformers' MistralForCausalLM --------
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def _random_adapters(module, seed: int) -> None:
+    """peft starts lora_B at zero, which leaves lora_A without a gradient on the first step: give both factors
+    values, so the step checks every adapter gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def _lora_stage(hf_dir, **module_kwargs):
+    module = build_pipeline_module(CFG, num_stages=1, seed=99, **module_kwargs)
+    load_hf_into_stage(module, hf_dir)
+    add_adapters(module, LORA, seed=99)
+    _random_adapters(module, seed=7)
+    return module
+
+
+def _adapter_gradients(engine, module) -> dict[str, torch.Tensor]:
+    """The adapter gradients the optimizer sees at its next step, under PEFT adapter-file names."""
+    names = {id(p): name for name, p in zip(adapter_state_dict(module),
+                                            (p for n, p in module.named_parameters() if ".lora_" in n), strict=True)}
+    captured: dict[str, torch.Tensor] = {}
+
+    def snapshot(optimizer, _args, _kwargs):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                captured[names[id(param)]] = param.grad.detach().clone()
+
+    engine.optimizer.register_step_pre_hook(snapshot)
+    return captured
+
+
+@pytest.fixture(scope="module")
+def lora_trained(gloo_group, hf_dir):
+    """One DeepSpeed train_batch of the LoRA stage, and the same step by peft + transformers + torch AdamW from the
+    same adapter weights (loaded with peft's own set_peft_model_state_dict, which reads PEFT file names)."""
+    import peft
+
+    module = _lora_stage(hf_dir)
+    frozen_before = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    adapters_before = {k: v.clone() for k, v in adapter_state_dict(module).items()}
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(),
+                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
+    batches = micro_batches(GRAD_ACCUM)
+    ds_grads = _adapter_gradients(engine, module)
+    ds_loss = engine.train_batch(data_iter=iter([b for b, _ in batches]))
+
+    base = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
+    reference = peft.get_peft_model(base, peft_config(LORA))
+    result = peft.set_peft_model_state_dict(reference, {k: v.clone() for k, v in adapters_before.items()})
+    assert not result.unexpected_keys
+    base_before = {n: p.detach().clone() for n, p in reference.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **ADAMW)
+    ref_losses = []
+    for ((input_ids, _pos, _seg), _shifted), hf_labels in batches:
+        loss = reference(input_ids=input_ids, labels=hf_labels).loss
+        (loss / GRAD_ACCUM).backward()
+        ref_losses.append(loss.detach())
+    peft_names = {n: n.replace(".default.", ".") for n, p in reference.named_parameters() if p.requires_grad}
+    ref_grads = {peft_names[n]: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+    optimizer.step()
+    return dict(engine=engine, module=module, ds_loss=ds_loss, ref_loss=torch.stack(ref_losses).mean(),
+                ds_grads=ds_grads, ref_grads=ref_grads, reference=reference, peft_names=peft_names,
+                frozen_before=frozen_before, adapters_before=adapters_before, base_before=base_before)
+
+
+def test_lora_step_matches_peft_on_transformers(lora_trained):
+    t = lora_trained
+    torch.testing.assert_close(t["ds_loss"].float(), t["ref_loss"], rtol=1e-5, atol=0.0)
+    # every adapter, and nothing else, got a gradient; the same as peft's
+    assert sorted(t["ds_grads"]) == sorted(t["ref_grads"]) == sorted(t["adapters_before"])
+    assert len(t["ds_grads"]) == 2 * len(LORA.targets) * CFG.num_hidden_layers
+    for name, grad in t["ds_grads"].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grad, t["ref_grads"][name], rtol=1e-4, atol=1e-8, msg=name)
+    # the updated adapters equal peft's after torch AdamW (tolerances of the full fine-tune's test above: Adam's
+    # first step is about lr * sign(gradient), so near-zero gradients may differ in sign), and moved as peft's did
+    updated = {t["peft_names"][n]: p.detach() for n, p in t["reference"].named_parameters() if p.requires_grad}
+    for name, ours in adapter_state_dict(t["module"]).items():
+        torch.testing.assert_close(ours, updated[name], rtol=0.0, atol=1e-5, msg=name)
+        delta_ours, delta_ref = ours - t["adapters_before"][name], updated[name] - t["adapters_before"][name]
+        assert delta_ref.abs().max() > 0 and (delta_ours - delta_ref).norm() <= 1e-3 * delta_ref.norm(), name
+    # the base is frozen: bit-identical after the step, in ours and in peft's
+    for name, param in t["module"].named_parameters():
+        if not param.requires_grad:
+            assert torch.equal(param, t["frozen_before"][name]), name
+    for name, param in t["reference"].named_parameters():
+        if not param.requires_grad:
+            assert torch.equal(param, t["base_before"][name]), name
+
+
+def test_lora_optimizer_holds_only_the_adapters(lora_trained):
+    """No optimizer state or fp32 master copy for the frozen base: the optimizer's parameters are the adapters."""
+    module, engine = lora_trained["module"], lora_trained["engine"]
+    trainable, total = parameter_counts(module)
+    in_optimizer = [p for group in engine.optimizer.param_groups for p in group["params"]]
+    assert sum(p.numel() for p in in_optimizer) == trainable
+    expected = {"q_proj": (CFG.hidden_size, CFG.num_attention_heads * CFG.head_dim),
+                "k_proj": (CFG.hidden_size, CFG.num_key_value_heads * CFG.head_dim),
+                "v_proj": (CFG.hidden_size, CFG.num_key_value_heads * CFG.head_dim),
+                "o_proj": (CFG.num_attention_heads * CFG.head_dim, CFG.hidden_size),
+                "gate_proj": (CFG.hidden_size, CFG.intermediate_size), "up_proj": (CFG.hidden_size, CFG.intermediate_size),
+                "down_proj": (CFG.intermediate_size, CFG.hidden_size)}
+    assert trainable == CFG.num_hidden_layers * sum(LORA.rank * (i + o) for i, o in expected.values())
+    assert total == trainable + sum(layer_parameter_counts(CFG))
+    # AdamW's moments exist for the adapters only
+    assert {id(p) for p in engine.optimizer.state} == {id(p) for p in in_optimizer}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_lora_gradients_reach_the_adapters_through_activation_checkpointing(gloo_group, hf_dir, lora_trained,
+                                                                             reentrant):
+    """Every decoder layer in an activation checkpoint, behind the frozen embedding: the adapters get the same
+    gradients as without checkpointing (a reentrant checkpoint whose input needs no gradient would give none)."""
+    module = _lora_stage(hf_dir, activation_checkpoint_interval=1, activation_checkpoint_reentrant=reentrant)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config(),
+                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
+    grads = _adapter_gradients(engine, module)
+    loss = engine.train_batch(data_iter=iter([b for b, _ in micro_batches(GRAD_ACCUM)]))
+    torch.testing.assert_close(loss, lora_trained["ds_loss"], rtol=1e-6, atol=0.0)
+    assert sorted(grads) == sorted(lora_trained["ds_grads"])
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, lora_trained["ds_grads"][name], rtol=1e-5, atol=1e-9, msg=name)
+
+
+def test_lora_adapters_do_not_depend_on_the_stage_split(gloo_group):
+    """Each decoder layer's adapter is drawn from (seed, layer index): the whole model in one Sequential and the
+    module of one stage hold the same adapters, and the global RNG is untouched."""
+    from raytrain.pipeline.model import build_sequential
+
+    whole = build_sequential(CFG, seed=5)
+    state = torch.random.get_rng_state()
+    add_adapters(whole, LORA, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    stage = build_pipeline_module(CFG, num_stages=1, seed=5)
+    add_adapters(stage, LORA, seed=5)
+    ours, theirs = adapter_state_dict(whole), adapter_state_dict(stage)
+    assert sorted(ours) == sorted(theirs) and ours
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    # and a layer's adapter differs from the next layer's
+    a = ours["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    b = ours["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
+    assert not torch.equal(a, b)
