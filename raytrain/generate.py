@@ -1,8 +1,8 @@
 """`raytrain generate`: answer a prompt with an exported model through transformers, as a server would.
 
-In:  an export folder (``config.json`` + safetensors + the tokenizer files of ``raytrain.dataset.hf_tokenizer``), or
-     a run folder whose ``exports/step_N/`` hold exports (the newest step is used); a user prompt and an optional
-     system prompt.
+In:  an export folder (``config.json`` + safetensors + the tokenizer files of ``raytrain.dataset.hf_tokenizer``), a
+     LoRA export's PEFT adapter folder (loaded onto its ``base_model_name_or_path`` with peft), or a run folder whose
+     ``exports/step_N/`` hold exports (the newest step is used); a user prompt and an optional system prompt.
 Out: the greedy continuation, decoded without special tokens, and its token ids.
 
 Everything goes through transformers' public API — ``AutoTokenizer.from_pretrained`` (mistral-common underneath),
@@ -36,7 +36,7 @@ class Generation:
 def resolve_model_dir(path: str | os.PathLike) -> Path:
     """An export folder itself, or the newest ``exports/step_N`` of a run folder."""
     folder = Path(path)
-    if (folder / "config.json").is_file():
+    if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
         return folder
     exports = folder / "exports"
     steps = sorted((step, child) for child in (exports.iterdir() if exports.is_dir() else [])
@@ -61,7 +61,13 @@ def generate(path: str | os.PathLike, prompt: str, *, system: str = "", max_new_
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=False))
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if (model_dir / "adapter_config.json").is_file():  # a LoRA export's adapter folder: onto its base, with peft
+        from peft import PeftConfig, PeftModel
+
+        base_dir = PeftConfig.from_pretrained(model_dir).base_model_name_or_path
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), model_dir).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     eos = model.generation_config.eos_token_id
     with torch.no_grad():
         output = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),

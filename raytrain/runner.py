@@ -344,14 +344,15 @@ def write_session(run: Run) -> None:
 
 
 def _train(run: Run, packed, max_failures: int) -> dict[str, Any]:
-    from raytrain.trainer.launch import train
+    from raytrain.trainer.launch import parameter_counts, train
 
-    held_out = packed.validation
+    held_out, lora = packed.validation, run.job.model.lora
     result = train(run.job, run.root, packed, max_failures=max_failures, fence=run.fence)
     summary = {"run": run.root.uri, "checkpoints": result.checkpoint_dir, "final": result.final_metrics,
                "num_packs": packed.num_packs, "validation_packs": held_out.num_packs if held_out else 0,
                "benchmark_packs": packed.benchmark.num_packs if packed.benchmark else 0,
-               "config_hash": run.job.config_hash()}
+               "config_hash": run.job.config_hash(), "parameters": parameter_counts(run.job),
+               "lora": dataclasses.asdict(lora) if lora.rank else None}
     summary["charts"] = write_charts(run)
     write_report(run, "run_summary.json", summary)
     return summary
@@ -418,12 +419,6 @@ def _preflight(run: Run) -> None:
     from raytrain.pipeline.model import check_num_stages, model_config
 
     job = run.job
-    if job.model.lora.rank:
-        raise ConfigError(
-            f"model.lora.rank={job.model.lora.rank}: runs cannot train LoRA adapters yet. The adapters exist on the "
-            "pipeline's layers (raytrain.pipeline.lora, checked against peft), but checkpoints that hold only them, "
-            "resume onto the same base and export to a PEFT folder do not: a run would not keep or export what it "
-            "trained. Use model.lora.rank=0 (a full fine-tune) for now.")
     derive_ds_config(load_ds_config(job.train.ds_config), job.train, ds_path=job.train.ds_config)
     model_cfg = model_config(job.model.preset, job.model.init_from)
     check_num_stages(model_cfg, job.train.pp)  # the rule build_pipeline_module applies on the workers
@@ -484,7 +479,8 @@ def _check_model_fits_tokenizer(job: JobConfig) -> None:
 
 
 def export_latest(job: JobConfig, out_dir: str = "") -> str:
-    """Merge the run's latest checkpoint into a Hugging Face Mistral directory; returns its path.
+    """Merge the run's latest checkpoint into a Hugging Face Mistral directory; returns its path. A LoRA run also
+    gets a PEFT adapter folder (raytrain.pipeline.lora.export_lora).
 
     Holds a lease on the step while it reads (retention keeps the step), checks every file's sha256 against the
     manifest first (CorruptCheckpointError naming the file), and on s3/hdfs downloads only the layer files it
@@ -493,6 +489,7 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
     from raytrain.checkpoint.store import CheckpointStore
     from raytrain.pipeline.engine import DS_TAG
     from raytrain.pipeline.hf_io import export_to_hf
+    from raytrain.pipeline.lora import base_identity, check_resume_settings, export_lora
     from raytrain.pipeline.model import model_config
 
     run = open_run(job)
@@ -516,7 +513,16 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
                 f"export of {ckpt.uri}: {problem}; the checkpoint is corrupt. Run training again with "
                 "train.on_corrupt_checkpoint=fallback to redo it from the previous good checkpoint, then export")
         layers = [rel for rel in ckpt.manifest["files"] if rel.startswith(f"{DS_TAG}/layer_")]
+        lora, cfg = job.model.lora, model_config(job.model.preset, job.model.init_from)
+        base = base_identity(job) if lora.rank else {}
+        check_resume_settings(ckpt.metadata.get("config") or {}, ckpt.metadata.get("base"), job, base,
+                              f"checkpoint {ckpt.uri}")
         with store.local_copy(ckpt, layers, label="export") as local:
-            export_to_hf(os.path.join(local, DS_TAG), model_config(job.model.preset, job.model.init_from), out_dir,
-                         tokenizer=job.dataset.tokenizer)
+            if lora.rank:
+                written = export_lora(os.path.join(local, DS_TAG), cfg, lora, out_dir, seed=job.train.seed,
+                                      init_from=job.model.init_from, tokenizer=job.dataset.tokenizer)
+                log.info("export: merged model in %s, PEFT adapter in %s%s", written["merged"], written["adapter"],
+                         f", its seeded base in {written['base']}" if "base" in written else "")
+            else:
+                export_to_hf(os.path.join(local, DS_TAG), cfg, out_dir, tokenizer=job.dataset.tokenizer)
     return out_dir

@@ -155,6 +155,11 @@ def run_summary_lines(run_uri: str) -> list[str]:
         lines.append(text)
     else:
         lines.append("  training     no steps recorded")
+    counts = summary.get("parameters") or {}
+    if counts.get("total"):
+        lora = summary.get("lora")
+        kind = f"LoRA rank {lora['rank']} on {', '.join(lora['targets'])}" if lora else "full fine-tune"
+        lines.append(f"  parameters   {kind}: {counts['trainable']:,} trainable of {counts['total']:,}")
 
     committed = CheckpointStore(rdir).committed()
     if committed:

@@ -35,14 +35,17 @@ class StageEngine:
     num_stages: int
     num_replicas: int  # data-parallel pipeline replicas
     world_rank: int
+    adapters_only: bool = False
+    """LoRA: checkpoints hold the trainable parameters (the adapters) and their optimizer state, not the frozen
+    base, which every launch builds or loads from model.init_from."""
 
     @classmethod
-    def of(cls, engine: Any) -> StageEngine:
+    def of(cls, engine: Any, adapters_only: bool = False) -> StageEngine:
         """The stage a DeepSpeed PipelineEngine runs, placed by its grid (PipelineParallelGrid)."""
         grid = engine.grid
         return cls(engine=engine, stage=grid.get_stage_id(), dp_rank=grid.get_data_parallel_id(),
                    num_stages=grid.get_pipe_parallel_world_size(), num_replicas=grid.get_data_parallel_world_size(),
-                   world_rank=grid.get_global_rank())
+                   world_rank=grid.get_global_rank(), adapters_only=adapters_only)
 
     def train_batch(self, data_iter: Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]] | None) -> float:
         """One optimizer step over grad_accum_steps micro-batches; returns the mean loss (same on every stage)."""
@@ -121,7 +124,8 @@ class StageEngine:
 
     def save(self, directory: str, client_state: dict[str, Any]) -> None:
         """Every rank writes its own layer and optimizer files under directory/ds/."""
-        self.engine.save_checkpoint(directory, tag=DS_TAG, client_state=client_state, save_latest=False)
+        self.engine.save_checkpoint(directory, tag=DS_TAG, client_state=client_state, save_latest=False,
+                                    exclude_frozen_parameters=self.adapters_only)
 
     def checkpoint_files(self, names: list[str]) -> tuple[list[str], list[str]]:
         """Which of a checkpoint's files (paths relative to the step dir, e.g. ``ds/layer_03-model_states.pt``)
@@ -172,11 +176,31 @@ class StageEngine:
                 open(path, "wb").close()
 
     def load(self, directory: str) -> dict[str, Any]:
+        """Load this rank's share of a checkpoint; returns its client state. With ``adapters_only`` the layer
+        files hold only the adapters: every adapter must be in them, and the base keeps the weights it was built
+        or loaded with."""
         path, client_state = self.engine.load_checkpoint(
-            directory, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+            directory, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
+            load_module_strict=not self.adapters_only)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint under {os.path.join(directory, DS_TAG)}")
+        if self.adapters_only:
+            self._check_adapters_loaded(os.path.join(directory, DS_TAG))
         return client_state or {}
+
+    def _check_adapters_loaded(self, tag_dir: str) -> None:
+        """DeepSpeed's non-strict load skips names it does not find: make sure each of this stage's layer files
+        held exactly the layer's trainable parameters."""
+        module = self.engine.module
+        for offset, layer in enumerate(module.forward_funcs):
+            if not hasattr(layer, "state_dict"):
+                continue
+            path = module.ckpt_layer_path_list(tag_dir, offset)[0]  # the file DeepSpeed's load just read
+            saved = set(torch.load(path, map_location="cpu", weights_only=True))
+            trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
+            if saved != trainable:
+                raise RuntimeError(f"{path} holds {sorted(saved)[:4]}... but the layer trains {sorted(trainable)[:4]}"
+                                   "...: it was not written by a run with the same model.lora settings")
 
 
 def keep_fp32_grad_norm(engine: Any) -> None:
@@ -221,7 +245,7 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config)
     keep_fp32_grad_norm(engine)
-    return StageEngine.of(engine)
+    return StageEngine.of(engine, adapters_only=lora is not None and lora.rank > 0)
 
 
 def _model_states(names: list[str]) -> list[str]:

@@ -17,13 +17,17 @@ Names: ``adapter_state_dict`` gives a stage's adapter weights under the names of
 
 from __future__ import annotations
 
+import hashlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from raytrain.config import LoraConfig
-from raytrain.pipeline.model import DecoderLayerPipe, EmbeddingPipe, _layer_seed
+from raytrain.config import JobConfig, LoraConfig
+from raytrain.errors import RaytrainError
+from raytrain.pipeline.model import DecoderLayerPipe, EmbeddingPipe, MistralConfig, _layer_seed
 
 LORA_SEED_SALT = 0x10_4A
 """Added to the model seed for the adapters' draws, so they never repeat a base layer's."""
@@ -98,5 +102,124 @@ def parameter_counts(module: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-__all__ = ["add_adapters", "adapter_state_dict", "decoder_layers", "load_adapter_state_dict", "parameter_counts",
+def adapter_parameter_count(cfg: MistralConfig, lora: LoraConfig) -> int:
+    """Adapter parameters of the whole model: rank x (in + out features) per target projection per layer."""
+    if lora.rank <= 0:
+        return 0
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    q, kv, h, i = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+              "up_proj": (h, i), "down_proj": (i, h)}
+    return cfg.num_hidden_layers * sum(lora.rank * sum(shapes[t]) for t in lora.targets)
+
+
+def base_identity(job: JobConfig) -> dict[str, Any]:
+    """What the adapters of a LoRA run sit on, recorded in its checkpoints: ``model.init_from`` and a sha256 over
+    its config.json and weight files (names and bytes), or, for a seeded base, the preset and the seed."""
+    if not job.model.init_from:
+        return {"preset": job.model.preset, "seed": job.train.seed}
+    folder = job.model.init_from
+    if not os.path.isdir(folder):
+        return {"init_from": folder, "weights_sha256": None}  # not on the driver: the path alone names it
+    digest = hashlib.sha256()
+    names = sorted(n for n in os.listdir(folder) if n == "config.json" or n.endswith(".safetensors"))
+    for name in names:
+        digest.update(name.encode() + b"\0")
+        with open(os.path.join(folder, name), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+    return {"init_from": folder, "weights_sha256": digest.hexdigest()}
+
+
+def check_resume_settings(saved_config: dict[str, Any], saved_base: dict[str, Any] | None, job: JobConfig,
+                          base: dict[str, Any], where: str) -> None:
+    """A checkpoint's adapters only fit the LoRA settings and the base they were trained with: resuming with other
+    settings, onto another base, or a full fine-tune from adapters (or the reverse) is refused, both sides named."""
+    saved_lora = dict(sorted(((saved_config.get("model") or {}).get("lora") or {"rank": 0}).items()))
+    current = {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(job.model.lora).items())}
+    if not saved_lora.get("rank") and not current["rank"]:
+        return
+    if saved_lora != current:
+        raise RaytrainError(
+            f"{where} was trained with model.lora {saved_lora}, this config has {current}: a checkpoint holds "
+            "the weights its own settings train. Resume with the same model.lora, or start a new storage.run_name")
+    if saved_base is not None and saved_base != base:
+        raise RaytrainError(
+            f"{where} holds LoRA adapters trained on the base {saved_base}; this config's base is {base}. Adapters "
+            "only fit the weights they were trained on: set model.init_from (or train.seed) as that run had it, "
+            "or start a new storage.run_name")
+
+
+def _base_layers(cfg: MistralConfig, seed: int, init_from: str) -> Iterator[tuple[int, nn.Module]]:
+    """(pipeline index, layer) of the base, one layer in memory at a time: seeded, or loaded from ``init_from``."""
+    from raytrain.pipeline.hf_io import load_hf_into_layers
+    from raytrain.pipeline.model import layer_constructors
+
+    for index, (cls, args, kwargs) in enumerate(layer_constructors(cfg, seed)):
+        layer = cls(*args, **kwargs)
+        if init_from:
+            load_hf_into_layers([layer], index, cfg, init_from)
+        yield index, layer
+
+
+def export_lora(tag_dir: str, cfg: MistralConfig, lora: LoraConfig, out_dir: str, *, seed: int, init_from: str,
+                tokenizer: str) -> dict[str, str]:
+    """Export a LoRA checkpoint (``tag_dir``: DeepSpeed's layer files, adapters only) as:
+
+    - ``out_dir``: the merged model (each adapter merged into its projection by peft's ``merge``) with its
+      tokenizer, a Hugging Face folder as a full fine-tune's export;
+    - ``out_dir/adapter``: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``, names as
+      on transformers' MistralForCausalLM) for ``PeftModel.from_pretrained`` or vLLM's LoRA loader;
+    - ``out_dir/base``: the seeded base the adapters were trained on, when there is no ``init_from`` to load them
+      onto (its ``base_model_name_or_path`` in the adapter config).
+
+    One layer is in memory at a time. Returns the folders written, by name."""
+    import tempfile
+
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import save_file
+
+    from raytrain.pipeline.hf_io import export_to_hf
+
+    out = {"merged": out_dir, "adapter": os.path.join(out_dir, "adapter")}
+    adapters: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory(prefix="raytrain-lora-export-") as tmp:
+        merged_dir, base_dir = os.path.join(tmp, "merged"), os.path.join(tmp, "base")
+        os.makedirs(merged_dir)
+        os.makedirs(base_dir)
+        for index, layer in _base_layers(cfg, seed, init_from):
+            name = f"layer_{index:02d}-model_states.pt"
+            torch.save(layer.state_dict(), os.path.join(base_dir, name))
+            trained = torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=True)
+            if isinstance(layer, DecoderLayerPipe):
+                add_adapters(layer, lora, seed)
+                load_adapter_state_dict(layer, {_hf_name(layer, k): v for k, v in trained.items()})
+                adapters.update({k: v.clone().contiguous() for k, v in adapter_state_dict(layer).items()})
+                for module in layer.modules():
+                    if isinstance(module, LoraLayer):
+                        module.merge(safe_merge=True)
+                state = {k.replace(".base_layer.", "."): v for k, v in layer.state_dict().items() if ".lora_" not in k}
+            elif trained:
+                raise RaytrainError(f"{os.path.join(tag_dir, name)} holds {sorted(trained)[:3]}: a LoRA checkpoint "
+                                    "saves nothing of the frozen embedding, norm and head")
+            else:
+                state = layer.state_dict()
+            torch.save(state, os.path.join(merged_dir, name))
+        export_to_hf(merged_dir, cfg, out_dir, tokenizer=tokenizer)
+        if not init_from:
+            out["base"] = os.path.join(out_dir, "base")
+            export_to_hf(base_dir, cfg, out["base"], tokenizer=tokenizer)
+    os.makedirs(out["adapter"], exist_ok=True)
+    config = peft_config(lora)
+    config.base_model_name_or_path = os.path.abspath(init_from or out["base"])
+    config.save_pretrained(out["adapter"])
+    save_file(adapters, os.path.join(out["adapter"], "adapter_model.safetensors"), metadata={"format": "pt"})
+    from raytrain.dataset.hf_tokenizer import save_hf_tokenizer
+
+    save_hf_tokenizer(tokenizer, out["adapter"])  # `raytrain generate <adapter>` and servers find it there
+    return out
+
+
+__all__ = ["adapter_parameter_count", "add_adapters", "base_identity", "check_resume_settings", "adapter_state_dict", "decoder_layers", "export_lora", "load_adapter_state_dict", "parameter_counts",
            "peft_config"]

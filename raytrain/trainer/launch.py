@@ -101,6 +101,34 @@ class StopOnUnretryableError(ray.train.UserCallback):
             raise type(refused)(str(refused))
 
 
+def parameter_counts(job: JobConfig) -> dict[str, int]:
+    """The model's trainable and total parameters (LoRA: the adapters train, the base is frozen)."""
+    from raytrain.pipeline.lora import adapter_parameter_count
+    from raytrain.pipeline.model import layer_parameter_counts, model_config
+
+    cfg = model_config(job.model.preset, job.model.init_from)
+    base, adapters = sum(layer_parameter_counts(cfg)), adapter_parameter_count(cfg, job.model.lora)
+    return {"trainable": adapters if job.model.lora.rank else base, "total": base + adapters}
+
+
+def _lora_base(job: JobConfig, run_root: StorageLocation) -> dict[str, Any]:
+    """A LoRA run's base (raytrain.pipeline.lora.base_identity; {} for a full fine-tune), after checking that the
+    run's newest checkpoint was trained with the same model.lora settings on the same base."""
+    from raytrain.pipeline.lora import base_identity, check_resume_settings
+
+    base = base_identity(job) if job.model.lora.rank else {}
+    latest = CheckpointStore(run_root).latest()
+    if latest is not None:
+        check_resume_settings(latest.metadata.get("config") or {}, latest.metadata.get("base"), job, base,
+                              f"checkpoint {latest.uri}")
+    if job.model.lora.rank:
+        counts, lora = parameter_counts(job), job.model.lora
+        log.info("train: LoRA rank %d (alpha %g) on %s: %s trainable of %s parameters (%.2f%%)", lora.rank, lora.alpha,
+                 ", ".join(lora.targets), f"{counts['trainable']:,}", f"{counts['total']:,}",
+                 100 * counts["trainable"] / counts["total"])
+    return base
+
+
 def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_failures: int = 0,
           fence: Fence | None = None) -> TrainResult:
     """Fit the TorchTrainer on the ``packed`` sequences; their validation packs (``packed.validation``) give the
@@ -122,12 +150,13 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
                             "train.wandb_mode=online, or use a run root on a shared filesystem")
     if run_root.is_posix:
         RunPaths(run_root).reports.mkdirs()  # workers append metrics and data traces here
+    base = _lora_base(job, run_root)
     loop_config = LoopConfig(
         job=job, run_uri=run_root.uri, ds_config=ds_config, packed=_files_of(packed),
         validation=_files_of(validation) if validation is not None else None,
         benchmark=_files_of(benchmark) if benchmark is not None else None,
         local_reports_dir=RunPaths(run_root).reports.path if run_root.scheme == "file" else None,
-        versions=software_versions(), fence=fence)
+        versions=software_versions(), fence=fence, base=base)
     storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,

@@ -58,6 +58,8 @@ class LoopConfig:
     """Software versions recorded in each checkpoint's manifest."""
     fence: Fence | None = None
     """The driver's run lock (token, generation): commits and cleanups check the lock still holds it."""
+    base: dict[str, Any] = field(default_factory=dict)
+    """A LoRA run's base (raytrain.pipeline.lora.base_identity), recorded in every checkpoint; {} otherwise."""
 
 
 def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
@@ -73,7 +75,8 @@ def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
     stage = build_stage_engine(model_cfg, cfg.ds_config, pp=tc.pp, dp=tc.dp, partition_method=tc.partition_method,
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,
                                activation_checkpoint_reentrant=tc.activation_checkpoint_reentrant,
-                               seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl)
+                               seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl,
+                               lora=job.model.lora)
     endpoint = job.storage.s3_endpoint or None
     apply_run_umask()  # DeepSpeed's and torch.save's files: 0640 (a worker on another node has the node's umask)
     store = CheckpointStore(resolve(cfg.run_uri, s3_endpoint=endpoint), keep_last=tc.keep_last,
@@ -301,5 +304,6 @@ def _save_checkpoint(store: CheckpointStore, stage: Any, step: int, cfg: LoopCon
             "step": step, "data_position": client_state["data_position"], "metrics": metrics,
             "config": redact_tree(job.to_dict()), "config_hash": job.config_hash(), "versions": cfg.versions,
             "world": {"pp": tc.pp, "dp": tc.dp}, "model": job.model.preset,
+            **({"base": cfg.base} if cfg.base else {}),
         })
     dist.barrier()  # nobody races ahead to the next save while the commit renames the directory

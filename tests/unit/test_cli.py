@@ -103,14 +103,6 @@ def test_more_stages_than_decoder_layers_exits_2_before_starting_ray(tmp_path):
     assert_no_ray_and_no_traceback(out)
 
 
-def test_lora_run_is_refused_before_starting_ray_until_its_checkpoints_and_export_exist(tmp_path):
-    out = cli("run", "configs/demo.yaml", "model.lora.rank=4", f"storage.root={tmp_path}")
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "model.lora.rank=4: runs cannot train LoRA adapters yet" in out.stderr
-    assert "model.lora.rank=0" in out.stderr
-    assert_no_ray_and_no_traceback(out)
-
-
 def test_missing_input_path_exits_1_before_starting_ray(tmp_path):
     missing = tmp_path / "no-such-dataset"
     root = tmp_path / "runs"
