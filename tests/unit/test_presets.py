@@ -28,7 +28,8 @@ from raytrain.pipeline.module import stage_layer_ranges
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 NODES_GPUS = re.compile(r"(\d+)node-(\d+)gpu")  # mistral7b-<nodes>node-<gpus>gpu[-variant].yaml
-GPU_PRESETS = [p for p in PRESETS if NODES_GPUS.search(os.path.basename(p))]
+LORA_PRESETS = [p for p in PRESETS if "lora" in os.path.basename(p)]  # mistral7b-*-lora*.yaml: model.lora on
+GPU_PRESETS = [p for p in PRESETS if NODES_GPUS.search(os.path.basename(p)) and p not in LORA_PRESETS]
 CLOUD_CLUSTERS = ["aws-gpu.yaml", "gcp-gpu.yaml"]
 GIB = 2**30
 H100_GIB = 80
@@ -165,7 +166,7 @@ def test_preset_topology_fits_the_model(path):
     assert job.dataset.seq_len <= cfg.max_position_embeddings
 
 
-@pytest.mark.parametrize("path", GPU_PRESETS, ids=_name)
+@pytest.mark.parametrize("path", GPU_PRESETS + LORA_PRESETS, ids=_name)
 def test_7b_preset_is_mistral_7b_v01(path):
     """The dims of the model the 7B presets train are the published Mistral-7B-v0.1's (transformers' MistralConfig
     defaults), the checkpoint they start from and the tokenizer they name are v0.1's (v1: 32,000 ids; v0.3 has
@@ -224,7 +225,7 @@ def test_gpu_preset_uses_one_gpu_per_worker_bf16_and_zero1(path):
 
 
 @pytest.mark.parametrize("cluster", CLOUD_CLUSTERS)
-@pytest.mark.parametrize("path", GPU_PRESETS, ids=_name)
+@pytest.mark.parametrize("path", GPU_PRESETS + [p for p in LORA_PRESETS if NODES_GPUS.search(_name(p))], ids=_name)
 def test_gpu_preset_fits_the_cloud_cluster(path, cluster):
     """The nodes and GPUs a preset's name promises are what the cluster YAML's GPU node type gives: whole nodes, one
     GPU per worker (Ray Train's own request for the preset's ScalingConfig), within the autoscaler's limits, with the
@@ -299,3 +300,38 @@ def test_gpu_preset_fits_an_80gib_gpu_without_recomputation(path):
     static = max(_stage_params(cfg, tc.pp, tc.partition_method)) * _bytes_per_param(ds, tc.dp)
     assert tc.activation_checkpoint_interval == 0
     assert (static + activations) / GIB + RUNTIME_SLACK_GIB < H100_GIB
+
+
+def test_lora_presets_found():
+    assert {_name(p) for p in LORA_PRESETS} == {"mistral7b-1node-8gpu-lora.yaml", "mistral7b-lora-1gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", LORA_PRESETS, ids=_name)
+def test_lora_preset_fits_an_80gib_gpu_as_its_comments_say(path):
+    """The comments' arithmetic for a LoRA preset: the frozen base in bf16 (2 B/param, no gradient, master copy or
+    Adam state), the adapters (peft's count of them on transformers' model) at a full fine-tune's bytes per
+    parameter, one stage holding the whole model with one micro-batch of activations in flight."""
+    import peft
+
+    from raytrain.pipeline.lora import adapter_parameter_count, peft_config
+
+    job, ds = _load(path)
+    tc, lora = job.train, job.model.lora
+    cfg = MistralConfig.preset(job.model.preset)
+    assert (lora.rank, lora.alpha, set(lora.targets)) == (16, 32.0, {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"})
+    with torch.device("meta"):
+        reference = peft.get_peft_model(transformers.MistralForCausalLM(transformers.MistralConfig()),
+                                        peft_config(lora))
+    trainable = sum(p.numel() for p in reference.parameters() if p.requires_grad)
+    assert adapter_parameter_count(cfg, lora) == trainable == 41_943_040  # the comments' count (0.58%)
+    assert ds["bf16"]["enabled"] is True and ds["zero_optimization"]["stage"] == 1 and tc.use_gpu
+    assert (tc.pp, tc.micro_batch_size, tc.activation_checkpoint_interval) == (1, 1, 0)
+    base = sum(layer_parameter_counts(cfg))
+    static = base * 2 + trainable * _bytes_per_param(ds, tc.dp)
+    units = _saved_bytes_per_token_unit(cfg, 64, job.model.attn_impl)
+    activations = cfg.num_hidden_layers * units * job.dataset.seq_len * cfg.hidden_size * 2 * tc.micro_batch_size
+    assert [_deepspeed_schedule(tc.grad_accum_steps, 1, 0)[2]] == [1]  # one stage: one micro-batch in flight
+    assert static / GIB == pytest.approx(13.9 if tc.dp == 8 else 14.3, abs=0.05)  # the comments' figures
+    assert (static + activations) / GIB + RUNTIME_SLACK_GIB < 46 < H100_GIB
+    assert tc.global_batch_size == (64 if tc.dp == 8 else 16)

@@ -568,3 +568,20 @@ def test_lora_adapters_do_not_depend_on_the_stage_split(gloo_group):
     a = ours["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     b = ours["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
     assert not torch.equal(a, b)
+
+
+def test_lora_with_bf16_and_zero1_holds_the_base_in_bf16_and_only_the_adapters_in_fp32(gloo_group, hf_dir):
+    """DeepSpeed's bf16 ZeRO-1 optimizer with a frozen base (CPU accelerator): the module, base and adapters, runs
+    in bf16; the optimizer's fp32 master partition has exactly the adapters' size; only adapters change."""
+    module = _lora_stage(hf_dir)
+    config = {**ds_config(), "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}
+    engine, _, _, _ = deepspeed.initialize(model=module, config=config,
+                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    loss = engine.train_batch(data_iter=iter([b for b, _ in micro_batches(GRAD_ACCUM)]))
+    assert torch.isfinite(loss)
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    trainable, _total = parameter_counts(module)
+    assert sum(t.numel() for t in engine.optimizer.single_partition_of_fp32_groups) == trainable
+    changed = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".lora_" in n for n in changed)
