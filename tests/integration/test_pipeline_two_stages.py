@@ -1,5 +1,6 @@
 """Two real pipeline stages in two processes (gloo, CPU): activations (hidden, position_ids, segment_ids) cross a
-stage boundary, and the merged per-layer checkpoint exports to the model transformers + AdamW would have trained."""
+stage boundary, and the merged per-layer checkpoint exports to the model transformers + AdamW would have trained;
+with LoRA adapters on a frozen base, one step equals peft's on transformers' model."""
 
 import copy
 import json
@@ -11,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
+from raytrain.config import LoraConfig
 from raytrain.pipeline.hf_io import export_to_hf
 from raytrain.pipeline.model import MistralConfig
 
@@ -19,6 +21,15 @@ from raytrain.pipeline.model import MistralConfig
 CFG = MistralConfig.preset("tiny")
 MICRO_BATCH_SIZE, GRAD_ACCUM, SEQ_LEN = 2, 2, 16
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def _adapter_values(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The adapters both sides start from, a function of the PEFT name alone (peft starts lora_B at zero, which would
+    leave lora_A without a gradient on the first step)."""
+    import zlib
+
+    return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.05
 
 
 def _batches():
@@ -37,7 +48,7 @@ def _batches():
     return out
 
 
-def _worker(rank: int, port: int, hf_dir: str, save_dir: str, result_dir: str) -> None:
+def _worker(rank: int, port: int, hf_dir: str, save_dir: str, result_dir: str, lora: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     import deepspeed
@@ -49,14 +60,10 @@ def _worker(rank: int, port: int, hf_dir: str, save_dir: str, result_dir: str) -
     deepspeed.init_distributed("gloo")
     module = build_pipeline_module(CFG, num_stages=2, seed=1)
     load_hf_into_stage(module, hf_dir)
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
-        "gradient_accumulation_steps": GRAD_ACCUM,
-        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]), "torch_adam": True}},
-        "gradient_clipping": 0.0,  # DeepSpeed clips to 1.0 unless told otherwise
-        "steps_per_print": 10_000,
-    }
-    engine, _, _, _ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
+    if lora:
+        _lora_worker(rank, module, result_dir)
+        return
+    engine, _, _, _ = deepspeed.initialize(model=module, config=_ds_config(), model_parameters=module.parameters())
     start, _stop = stage_range(module)
     names = {id(p): hf_prefix(start + i, CFG) + n
              for i, layer in enumerate(module.forward_funcs) for n, p in layer.named_parameters()}
@@ -71,6 +78,45 @@ def _worker(rank: int, port: int, hf_dir: str, save_dir: str, result_dir: str) -
     torch.save(grads, os.path.join(result_dir, f"grads{rank}.pt"))
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"loss": float(loss), "range": list(stage_range(module))}, f)
+    torch.distributed.barrier()
+
+
+def _ds_config() -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
+        "gradient_accumulation_steps": GRAD_ACCUM,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]), "torch_adam": True}},
+        "gradient_clipping": 0.0,  # DeepSpeed clips to 1.0 unless told otherwise
+        "steps_per_print": 10_000,
+    }
+
+
+def _lora_worker(rank: int, module, result_dir: str) -> None:
+    """One step of this stage with adapters: its loss, adapter gradients (as the optimizer sees them) and updated
+    adapters under PEFT names, and whether its frozen weights came through bit-identical."""
+    import deepspeed
+
+    from raytrain.pipeline.lora import adapter_state_dict, add_adapters, load_adapter_state_dict
+
+    add_adapters(module, LORA, seed=1)
+    load_adapter_state_dict(module, {n: _adapter_values(n, tuple(t.shape)) for n, t in adapter_state_dict(module).items()})
+    frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    engine, _, _, _ = deepspeed.initialize(model=module, config=_ds_config(),
+                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
+    trainable = [p for n, p in module.named_parameters() if ".lora_" in n]
+    names = {id(p): n for n, p in zip(adapter_state_dict(module), trainable, strict=True)}
+    grads: dict[str, torch.Tensor] = {}
+
+    def snapshot(optimizer, _args, _kwargs):
+        grads.update({names[id(p)]: p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]})
+
+    engine.optimizer.register_step_pre_hook(snapshot)
+    loss = engine.train_batch(data_iter=iter(_batches()))
+    torch.save({"grads": grads, "adapters": {n: t.clone() for n, t in adapter_state_dict(module).items()}},
+               os.path.join(result_dir, f"lora{rank}.pt"))
+    unchanged = all(torch.equal(p, frozen[n]) for n, p in module.named_parameters() if not p.requires_grad)
+    with open(os.path.join(result_dir, f"lora{rank}.json"), "w") as f:
+        json.dump({"loss": float(loss), "frozen_unchanged": unchanged, "frozen": len(frozen)}, f)
     torch.distributed.barrier()
 
 
@@ -123,3 +169,52 @@ def test_two_stage_training_step_matches_transformers(tmp_path):
         torch.testing.assert_close(tensor[clear], updated[name][clear], rtol=0.0, atol=1e-5, msg=name)
         assert (tensor - updated[name]).abs().max() <= 2 * ADAMW["lr"], name
         assert not torch.equal(tensor, before[name]), name  # every tensor was updated
+
+
+def test_two_stage_lora_step_matches_peft_on_transformers(tmp_path):
+    """One optimizer step of two LoRA stages (adapters on a frozen base, fp32) against peft's LoRA on transformers'
+    MistralForCausalLM from the same base, adapters and packed batch: loss, every adapter's gradient (stage 0's
+    reached it through the frozen embedding's activations and the backward send), the updated adapters."""
+    import peft
+
+    from raytrain.pipeline.lora import peft_config
+
+    hf_dir, result_dir = tmp_path / "hf", tmp_path / "results"
+    result_dir.mkdir()
+    torch.manual_seed(1)
+    base = transformers.MistralForCausalLM._from_config(CFG.to_hf(), attn_implementation="eager")
+    base.save_pretrained(hf_dir)
+    mp.start_processes(_worker, args=(_free_port(), str(hf_dir), "", str(result_dir), True), nprocs=2, join=True,
+                       start_method="spawn")
+    results = [json.loads((result_dir / f"lora{r}.json").read_text()) for r in range(2)]
+    assert all(r["frozen_unchanged"] and r["frozen"] > 0 for r in results)
+    ours = [torch.load(result_dir / f"lora{r}.pt") for r in range(2)]
+    grads = {**ours[0]["grads"], **ours[1]["grads"]}
+    updated = {**ours[0]["adapters"], **ours[1]["adapters"]}
+    assert ours[0]["grads"] and ours[1]["grads"]  # both stages hold adapters
+
+    reference = peft.get_peft_model(base, peft_config(LORA))
+    start = {n: _adapter_values(n, tuple(t.shape)) for n, t in updated.items()}
+    assert not peft.set_peft_model_state_dict(reference, start).unexpected_keys
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **ADAMW)
+    losses = []
+    for (input_ids, _position_ids, _segment_ids), labels in _batches():
+        logits = torch.cat([reference(input_ids=input_ids[:, :6]).logits,
+                            reference(input_ids=input_ids[:, 6:]).logits], dim=1)  # (B, T, V)
+        keep = labels != -100
+        loss = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+        (loss / GRAD_ACCUM).backward()
+        losses.append(loss.detach())
+    peft_name = {n: n.replace(".default.", ".") for n, p in reference.named_parameters() if p.requires_grad}
+    expected = {peft_name[n]: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+    optimizer.step()
+    after = {peft_name[n]: p.detach() for n, p in reference.named_parameters() if p.requires_grad}
+    assert results[1]["loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+    assert sorted(grads) == sorted(expected) == sorted(updated) and len(grads) == 2 * 7 * CFG.num_hidden_layers
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-8, msg=name)
+    for name, tensor in updated.items():
+        clear = expected[name].abs() > 1e-6  # Adam's step near |grad| ~ eps is fp32 noise (see the test above)
+        torch.testing.assert_close(tensor[clear], after[name][clear], rtol=0.0, atol=1e-5, msg=name)
+        assert not torch.equal(tensor, start[name]), name
