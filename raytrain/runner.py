@@ -344,14 +344,15 @@ def write_session(run: Run) -> None:
 
 
 def _train(run: Run, packed, max_failures: int) -> dict[str, Any]:
-    from raytrain.trainer.launch import parameter_counts, train
+    from raytrain.pipeline.lora import model_parameter_counts
+    from raytrain.trainer.launch import train
 
     held_out, lora = packed.validation, run.job.model.lora
     result = train(run.job, run.root, packed, max_failures=max_failures, fence=run.fence)
     summary = {"run": run.root.uri, "checkpoints": result.checkpoint_dir, "final": result.final_metrics,
                "num_packs": packed.num_packs, "validation_packs": held_out.num_packs if held_out else 0,
                "benchmark_packs": packed.benchmark.num_packs if packed.benchmark else 0,
-               "config_hash": run.job.config_hash(), "parameters": parameter_counts(run.job),
+               "config_hash": run.job.config_hash(), "parameters": model_parameter_counts(run.job),
                "lora": dataclasses.asdict(lora) if lora.rank else None}
     summary["charts"] = write_charts(run)
     write_report(run, "run_summary.json", summary)

@@ -219,6 +219,29 @@ def keep_fp32_grad_norm(engine: Any) -> None:
     engine.clip_fp32_gradients = clip_fp32_gradients
 
 
+def optimizer_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the stage's optimizer holds: its trainable parameters. A LoRA stage whose layers hold no adapter (a
+    partition that gives it only the final norm and the LM head, say) has none, and DeepSpeed cannot build an
+    optimizer over nothing (DeepSpeed #5071, "optimizer got an empty parameter list"): the module gets a one-element
+    placeholder parameter (``lora_placeholder``; ZeRO maps every optimized parameter to a module name, and the bf16
+    optimizer needs a gradient to take a norm of), added times zero to the stage's first activations: its gradient
+    is zero, so it never changes, and no layer file holds it. The stage still runs its forward and its backward,
+    which carries the gradient to the stages before it."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if params:
+        return params
+    placeholder = torch.nn.Parameter(torch.zeros(1))
+    module.register_parameter("lora_placeholder", placeholder)
+
+    def touch(_layer: torch.nn.Module, _inputs: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (output[0] + placeholder * 0, *output[1:])
+        return output + placeholder * 0
+
+    module.forward_funcs[0].register_forward_hook(touch)
+    return [placeholder]
+
+
 def init_distributed(backend: str) -> None:
     """Reuse the process group Ray Train created (gloo on CPU, nccl on GPU); DeepSpeed wraps it."""
     deepspeed.init_distributed(dist_backend=backend)
@@ -242,8 +265,8 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
         from raytrain.pipeline.lora import add_adapters
 
         add_adapters(module, lora, seed)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=optimizer_parameters(module),
+                                           config=ds_config)
     keep_fp32_grad_norm(engine)
     return StageEngine.of(engine, adapters_only=lora is not None and lora.rank > 0)
 

@@ -30,7 +30,7 @@ from raytrain.errors import RaytrainError
 from raytrain.pipeline.model import DecoderLayerPipe, EmbeddingPipe, MistralConfig, _layer_seed
 
 LORA_SEED_SALT = 0x10_4A
-"""Added to the model seed for the adapters' draws, so they never repeat a base layer's."""
+"""Added to the model seed for the adapters' draws, so they are not the draws of the base layers' init."""
 PEFT_PREFIX = "base_model.model."
 """What a PeftModel puts before transformers' parameter names in its adapter files."""
 
@@ -112,6 +112,15 @@ def adapter_parameter_count(cfg: MistralConfig, lora: LoraConfig) -> int:
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
               "up_proj": (h, i), "down_proj": (i, h)}
     return cfg.num_hidden_layers * sum(lora.rank * sum(shapes[t]) for t in lora.targets)
+
+
+def model_parameter_counts(job: JobConfig) -> dict[str, int]:
+    """The job's model's trainable and total parameters (LoRA: the adapters train, the base is frozen)."""
+    from raytrain.pipeline.model import layer_parameter_counts, model_config
+
+    cfg = model_config(job.model.preset, job.model.init_from)
+    base, adapters = sum(layer_parameter_counts(cfg)), adapter_parameter_count(cfg, job.model.lora)
+    return {"trainable": adapters if job.model.lora.rank else base, "total": base + adapters}
 
 
 def base_identity(job: JobConfig) -> dict[str, Any]:
@@ -221,5 +230,5 @@ def export_lora(tag_dir: str, cfg: MistralConfig, lora: LoraConfig, out_dir: str
     return out
 
 
-__all__ = ["adapter_parameter_count", "add_adapters", "base_identity", "check_resume_settings", "adapter_state_dict", "decoder_layers", "export_lora", "load_adapter_state_dict", "parameter_counts",
+__all__ = ["adapter_parameter_count", "add_adapters", "base_identity", "check_resume_settings", "adapter_state_dict", "decoder_layers", "export_lora", "load_adapter_state_dict", "model_parameter_counts", "parameter_counts",
            "peft_config"]

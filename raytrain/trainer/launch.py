@@ -101,20 +101,10 @@ class StopOnUnretryableError(ray.train.UserCallback):
             raise type(refused)(str(refused))
 
 
-def parameter_counts(job: JobConfig) -> dict[str, int]:
-    """The model's trainable and total parameters (LoRA: the adapters train, the base is frozen)."""
-    from raytrain.pipeline.lora import adapter_parameter_count
-    from raytrain.pipeline.model import layer_parameter_counts, model_config
-
-    cfg = model_config(job.model.preset, job.model.init_from)
-    base, adapters = sum(layer_parameter_counts(cfg)), adapter_parameter_count(cfg, job.model.lora)
-    return {"trainable": adapters if job.model.lora.rank else base, "total": base + adapters}
-
-
 def _lora_base(job: JobConfig, run_root: StorageLocation) -> dict[str, Any]:
     """A LoRA run's base (raytrain.pipeline.lora.base_identity; {} for a full fine-tune), after checking that the
     run's newest checkpoint was trained with the same model.lora settings on the same base."""
-    from raytrain.pipeline.lora import base_identity, check_resume_settings
+    from raytrain.pipeline.lora import base_identity, check_resume_settings, model_parameter_counts
 
     base = base_identity(job) if job.model.lora.rank else {}
     latest = CheckpointStore(run_root).latest()
@@ -122,7 +112,7 @@ def _lora_base(job: JobConfig, run_root: StorageLocation) -> dict[str, Any]:
         check_resume_settings(latest.metadata.get("config") or {}, latest.metadata.get("base"), job, base,
                               f"checkpoint {latest.uri}")
     if job.model.lora.rank:
-        counts, lora = parameter_counts(job), job.model.lora
+        counts, lora = model_parameter_counts(job), job.model.lora
         log.info("train: LoRA rank %d (alpha %g) on %s: %s trainable of %s parameters (%.2f%%)", lora.rank, lora.alpha,
                  ", ".join(lora.targets), f"{counts['trainable']:,}", f"{counts['total']:,}",
                  100 * counts["trainable"] / counts["total"])

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from raytrain.config import JobConfig
+from raytrain.pipeline.lora import model_parameter_counts
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.schedule import Topology
 from raytrain.trainer.tracking import Trackers
@@ -41,7 +42,13 @@ class MetricsSink:
         # `tensorboard --logdir <run>/reports/tensorboard`
         self.board = _tensorboard(os.path.join(reports_dir, "tensorboard"), start_step) if reports_dir and lead \
             else None
-        self.trackers = Trackers(job, reports_dir, topo.world_rank)  # MLflow / W&B on request, rank 0
+        counts = model_parameter_counts(job)
+        self.trackers = Trackers(job, reports_dir, topo.world_rank, counts)  # MLflow / W&B on request, rank 0
+        if self.board is not None:
+            lora = job.model.lora
+            kind = f"LoRA rank {lora.rank} on {', '.join(lora.targets)}" if lora.rank else "full fine-tune"
+            self.board.add_text("run/parameters", f"{kind}: {counts['trainable']:,} trainable of "
+                                                  f"{counts['total']:,} parameters", start_step)
 
     def step(self, metrics: dict[str, Any], consumed: list[tuple[int, str]]) -> None:
         """Record one optimizer step: ``metrics`` (``eval_time_s`` and the eval metrics present on eval steps) and

@@ -19,7 +19,9 @@ from raytrain.redact import redact_tree
 class Trackers:
     """The trackers ``train.tracking`` names, for one rank; empty on every rank but 0."""
 
-    def __init__(self, job: JobConfig, reports_dir: str | None, world_rank: int) -> None:
+    def __init__(self, job: JobConfig, reports_dir: str | None, world_rank: int,
+                 parameters: dict[str, int] | None = None) -> None:
+        """``parameters``: the model's trainable and total parameter counts, recorded with the config's params."""
         self._mlflow: Any = None
         self._wandb: Any = None
         if world_rank != 0 or not job.train.tracking:
@@ -27,6 +29,7 @@ class Trackers:
         # the params are stored by the tracker and shown in its UI: no password of a URI in them (the tracker itself
         # still connects with the URI as given)
         tc, params = job.train, redact_tree(job.flat_dict())
+        params.update({f"parameters.{k}": v for k, v in (parameters or {}).items()})
         if "mlflow" in tc.tracking:
             from ray.air.integrations.mlflow import setup_mlflow
 

@@ -129,8 +129,16 @@ def test_resuming_with_other_settings_or_onto_another_base_is_refused(straight, 
     assert [c.step for c in CheckpointStore(open_run(job).root).committed()] == [2, 4]  # nothing trained on top
 
 
-def test_summary_and_status_say_lora(straight):
+def test_summary_status_and_tensorboard_say_lora(straight):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     job, summary = straight
+    board = EventAccumulator(open_run(job).root.join("reports", "tensorboard").path, size_guidance={"tensors": 0})
+    board.Reload()
+    (text,) = board.Tensors("run/parameters/text_summary")
+    assert text.tensor_proto.string_val[0].decode() == \
+        "LoRA rank 4 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: 8,192 trainable of " \
+        f"{summary['parameters']['total']:,} parameters"
     assert summary["lora"]["rank"] == 4 and summary["parameters"]["trainable"] == 8192
     assert summary["parameters"]["total"] > 4_000_000
     out = cli("status", open_run(job).root.path)

@@ -48,7 +48,8 @@ def _batches():
     return out
 
 
-def _worker(rank: int, port: int, hf_dir: str, save_dir: str, result_dir: str, lora: bool = False) -> None:
+def _worker(rank: int, port: int, hf_dir: str, save_dir: str, result_dir: str, lora: str = "") -> None:
+    """One stage's process; ``lora``: the partition method of a LoRA step (empty: the full fine-tune's step)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     import deepspeed
@@ -58,7 +59,7 @@ def _worker(rank: int, port: int, hf_dir: str, save_dir: str, result_dir: str, l
     from raytrain.pipeline.module import build_pipeline_module, stage_range
 
     deepspeed.init_distributed("gloo")
-    module = build_pipeline_module(CFG, num_stages=2, seed=1)
+    module = build_pipeline_module(CFG, num_stages=2, seed=1, **({"partition_method": lora} if lora else {}))
     load_hf_into_stage(module, hf_dir)
     if lora:
         _lora_worker(rank, module, result_dir)
@@ -96,19 +97,23 @@ def _lora_worker(rank: int, module, result_dir: str) -> None:
     adapters under PEFT names, and whether its frozen weights came through bit-identical."""
     import deepspeed
 
+    from raytrain.pipeline.engine import optimizer_parameters
     from raytrain.pipeline.lora import adapter_state_dict, add_adapters, load_adapter_state_dict
+    from raytrain.pipeline.module import stage_range
 
     add_adapters(module, LORA, seed=1)
     load_adapter_state_dict(module, {n: _adapter_values(n, tuple(t.shape)) for n, t in adapter_state_dict(module).items()})
     frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
-    engine, _, _, _ = deepspeed.initialize(model=module, config=_ds_config(),
-                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
+    params = optimizer_parameters(module)  # a stage without adapters: one placeholder
+    engine, _, _, _ = deepspeed.initialize(model=module, config=_ds_config(), model_parameters=params)
     trainable = [p for n, p in module.named_parameters() if ".lora_" in n]
     names = {id(p): n for n, p in zip(adapter_state_dict(module), trainable, strict=True)}
+    names.update({id(p): "placeholder" for p in params if not trainable})
     grads: dict[str, torch.Tensor] = {}
 
     def snapshot(optimizer, _args, _kwargs):
-        grads.update({names[id(p)]: p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]})
+        grads.update({names[id(p)]: p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None})
 
     engine.optimizer.register_step_pre_hook(snapshot)
     loss = engine.train_batch(data_iter=iter(_batches()))
@@ -116,7 +121,9 @@ def _lora_worker(rank: int, module, result_dir: str) -> None:
                os.path.join(result_dir, f"lora{rank}.pt"))
     unchanged = all(torch.equal(p, frozen[n]) for n, p in module.named_parameters() if not p.requires_grad)
     with open(os.path.join(result_dir, f"lora{rank}.json"), "w") as f:
-        json.dump({"loss": float(loss), "frozen_unchanged": unchanged, "frozen": len(frozen)}, f)
+        json.dump({"loss": float(loss), "frozen_unchanged": unchanged, "frozen": len(frozen),
+                   "layers": list(stage_range(module)), "placeholder_unchanged": all(
+                       torch.equal(p, torch.zeros(1)) for p in params if not trainable)}, f)
     torch.distributed.barrier()
 
 
@@ -171,10 +178,13 @@ def test_two_stage_training_step_matches_transformers(tmp_path):
         assert not torch.equal(tensor, before[name]), name  # every tensor was updated
 
 
-def test_two_stage_lora_step_matches_peft_on_transformers(tmp_path):
+@pytest.mark.parametrize("partition", ["type:DecoderLayerPipe", "uniform"])
+def test_two_stage_lora_step_matches_peft_on_transformers(tmp_path, partition):
     """One optimizer step of two LoRA stages (adapters on a frozen base, fp32) against peft's LoRA on transformers'
     MistralForCausalLM from the same base, adapters and packed batch: loss, every adapter's gradient (stage 0's
-    reached it through the frozen embedding's activations and the backward send), the updated adapters."""
+    reached it through the frozen embedding's activations and the backward send), the updated adapters. With the
+    uniform partition the last stage holds only the final norm and the LM head: no adapter, nothing to train, and it
+    still steps (DeepSpeed #5071) and sends its gradient back."""
     import peft
 
     from raytrain.pipeline.lora import peft_config
@@ -184,14 +194,19 @@ def test_two_stage_lora_step_matches_peft_on_transformers(tmp_path):
     torch.manual_seed(1)
     base = transformers.MistralForCausalLM._from_config(CFG.to_hf(), attn_implementation="eager")
     base.save_pretrained(hf_dir)
-    mp.start_processes(_worker, args=(_free_port(), str(hf_dir), "", str(result_dir), True), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(_free_port(), str(hf_dir), "", str(result_dir), partition), nprocs=2,
+                       join=True, start_method="spawn")
     results = [json.loads((result_dir / f"lora{r}.json").read_text()) for r in range(2)]
-    assert all(r["frozen_unchanged"] and r["frozen"] > 0 for r in results)
+    assert all(r["frozen_unchanged"] and r["frozen"] > 0 and r["placeholder_unchanged"] for r in results)
     ours = [torch.load(result_dir / f"lora{r}.pt") for r in range(2)]
     grads = {**ours[0]["grads"], **ours[1]["grads"]}
     updated = {**ours[0]["adapters"], **ours[1]["adapters"]}
-    assert ours[0]["grads"] and ours[1]["grads"]  # both stages hold adapters
+    if partition == "uniform":  # stage 1: the final norm and the LM head (pipeline layers 3 and 4), no adapter
+        assert results[1]["layers"] == [3, CFG.num_pipeline_layers] and not ours[1]["adapters"]
+        assert list(ours[1]["grads"]) == ["placeholder"] and not ours[1]["grads"]["placeholder"].any()
+        del grads["placeholder"]  # its gradient is zero: it never changes
+    else:
+        assert ours[0]["grads"] and ours[1]["grads"]  # both stages hold adapters
 
     reference = peft.get_peft_model(base, peft_config(LORA))
     start = {n: _adapter_values(n, tuple(t.shape)) for n, t in updated.items()}

@@ -21,7 +21,7 @@ import pytest
 from synthetic_data import synthetic_conversations, write_packed
 
 from raytrain.config import load_job_config
-from raytrain.pipeline.model import MistralConfig
+from raytrain.pipeline.model import MistralConfig, layer_parameter_counts
 from raytrain.runner import WORKER_ENV, open_run, run_train
 
 STEPS = 4
@@ -283,6 +283,9 @@ def test_mlflow_and_wandb_record_the_run_offline(pp1_dp2):
     client = MlflowClient(f"file://{reports_dir}/mlruns")
     (run,) = client.search_runs([client.get_experiment_by_name(job.storage.project).experiment_id])
     assert run.data.params["train.dp"] == "2" and run.info.run_name == job.storage.run_name
+    # a full fine-tune trains every parameter: the counts beside the config (LoRA runs: tests/integration/test_lora.py)
+    assert run.data.params["parameters.trainable"] == run.data.params["parameters.total"] == \
+        str(sum(layer_parameter_counts(MistralConfig.preset(job.model.preset))))
     history = client.get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == list(range(1, STEPS + 1))
     assert [m.value for m in history] == pytest.approx([m["loss"] for m in reports["metrics"]])

@@ -585,3 +585,26 @@ def test_lora_with_bf16_and_zero1_holds_the_base_in_bf16_and_only_the_adapters_i
     assert sum(t.numel() for t in engine.optimizer.single_partition_of_fp32_groups) == trainable
     changed = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all(".lora_" in n for n in changed)
+
+
+@pytest.mark.parametrize("accumulation", [None, "fp32"], ids=["zero1", "zero1-fp32-accumulation"])
+def test_a_stage_without_adapters_steps_with_the_bf16_optimizers(gloo_group, hf_dir, lora_trained, accumulation):
+    """A LoRA stage whose layers hold no adapter (here: every adapter frozen) gets the placeholder of
+    raytrain.pipeline.engine.optimizer_parameters; DeepSpeed's ZeRO-1 and BF16 optimizers (the GPU presets') step
+    it, and it stays zero. Without it DeepSpeed cannot build (empty parameter list) or step (no gradient to norm)."""
+    from raytrain.pipeline.engine import optimizer_parameters
+
+    module = _lora_stage(hf_dir)
+    module.requires_grad_(False)
+    params = optimizer_parameters(module)
+    assert [p.numel() for p in params] == [1] and params[0] is module.lora_placeholder
+    config = {**ds_config(), "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}
+    if accumulation:
+        config["data_types"] = {"grad_accum_dtype": accumulation}
+    engine, _, _, _ = deepspeed.initialize(model=module, config=config, model_parameters=params)
+    kind = {None: "DeepSpeedZeroOptimizer", "fp32": "BF16_Optimizer"}[accumulation]
+    assert type(engine.optimizer).__name__ == kind
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    loss = engine.train_batch(data_iter=iter([b for b, _ in micro_batches(GRAD_ACCUM)]))
+    torch.testing.assert_close(loss.float(), lora_trained["ds_loss"].float(), rtol=2e-2, atol=0.0)  # bf16 forward
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
