@@ -37,36 +37,15 @@ def _optimizer_bytes(engine) -> int:
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, lora_rank: int, root: str, result_path: str) -> None:
-    import numpy as np
-    import torch
     import torch.distributed as dist
-    from bench_pipeline import join_gloo
+    from bench_pipeline import random_feed, small_pp2_stage
 
-    from raytrain.config import LoraConfig, TrainConfig
-    from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
-    from raytrain.pipeline.engine import build_stage_engine, init_distributed
+    from raytrain.config import LoraConfig
     from raytrain.pipeline.lora import parameter_counts
-    from raytrain.pipeline.model import MistralConfig
-    from raytrain.trainer.feed import in_memory_packs, micro_batches
 
-    torch.set_num_threads(1)
-    join_gloo(rank, 2, port)
-    init_distributed("gloo")
-    cfg = MistralConfig.preset("small")
-    tc = TrainConfig(pp=2, dp=1, micro_batch_size=1, grad_accum_steps=2, max_steps=1000, lr=1e-4, warmup_steps=1)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ds_config = derive_ds_config(load_ds_config(os.path.join(repo, "configs", "ds_config.json")), tc)
     lora = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None
-    stage = build_stage_engine(cfg, ds_config, pp=2, dp=1, partition_method="type:DecoderLayerPipe",
-                               activation_checkpoint_interval=0, seed=0, lora=lora)
-    rng = np.random.default_rng(0)
-    n, t = 64, args.seq_len
-    ids = rng.integers(0, cfg.vocab_size, size=(n, t))
-    counts, read = in_memory_packs({"input_ids": ids, "position_ids": np.tile(np.arange(t), (n, 1)),
-                                    "segment_ids": np.zeros((n, t), dtype=np.int64),
-                                    "labels": np.concatenate([ids[:, 1:], np.full((n, 1), -100)], axis=1),
-                                    "doc_ids": [f"d{i}" for i in range(n)]})
-    feed = micro_batches(counts, read, micro_batch_size=1, start_position=0, dp_rank=0, dp=1, grad_accum_steps=2)
+    cfg, stage = small_pp2_stage(rank, port, lora)
+    feed = random_feed(cfg.vocab_size, args.seq_len, grad_accum_steps=2)
     step_s = []
     for _ in range(args.steps):
         t0 = time.perf_counter()

@@ -144,6 +144,44 @@ def bench_worker_loop(config: dict) -> None:
         json.dump(measured, f)
 
 
+def random_feed(vocab_size: int, seq_len: int, grad_accum_steps: int, num_packs: int = 64, seed: int = 0):
+    """Micro-batches (micro-batch 1, one replica) of random single-document packs held in memory, through
+    raytrain's own training feed: what the two-process benchmarks train on."""
+    import numpy as np
+
+    from raytrain.trainer.feed import in_memory_packs, micro_batches
+
+    ids = np.random.default_rng(seed).integers(0, vocab_size, size=(num_packs, seq_len))  # (N, T)
+    counts, read = in_memory_packs({"input_ids": ids, "position_ids": np.tile(np.arange(seq_len), (num_packs, 1)),
+                                    "segment_ids": np.zeros((num_packs, seq_len), dtype=np.int64),
+                                    "labels": np.concatenate([ids[:, 1:], np.full((num_packs, 1), -100)], axis=1),
+                                    "doc_ids": [f"d{i}" for i in range(num_packs)]})
+    return micro_batches(counts, read, micro_batch_size=1, start_position=0, dp_rank=0, dp=1,
+                         grad_accum_steps=grad_accum_steps)
+
+
+def small_pp2_stage(rank: int, port: int, lora=None):
+    """This process's stage of the `small` preset cut into 2 (one process per stage, a gloo group, no Ray), built
+    by raytrain's build_stage_engine with configs/ds_config.json (micro-batch 1, 2 micro-batches per step) and,
+    given ``lora`` (a raytrain.config.LoraConfig), adapters on a frozen base. Returns (model config, stage)."""
+    import torch
+
+    from raytrain.config import TrainConfig
+    from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
+    from raytrain.pipeline.engine import build_stage_engine, init_distributed
+    from raytrain.pipeline.model import MistralConfig
+
+    torch.set_num_threads(1)
+    join_gloo(rank, 2, port)
+    init_distributed("gloo")
+    cfg = MistralConfig.preset("small")
+    tc = TrainConfig(pp=2, dp=1, micro_batch_size=1, grad_accum_steps=2, max_steps=1000, lr=1e-4, warmup_steps=1)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ds_config = derive_ds_config(load_ds_config(os.path.join(repo, "configs", "ds_config.json")), tc)
+    return cfg, build_stage_engine(cfg, ds_config, pp=2, dp=1, partition_method="type:DecoderLayerPipe",
+                                   activation_checkpoint_interval=0, seed=0, lora=lora)
+
+
 def join_gloo(rank: int, world_size: int, port: int) -> None:
     """Join a gloo group of `world_size` processes on this host outside Ray Train (waits for the other ranks); the
     env vars are what DeepSpeed's init_distributed reads when it wraps the group."""

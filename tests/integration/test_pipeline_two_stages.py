@@ -133,6 +133,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _reference_backward(reference) -> float:
+    """The reference's gradients for the step: each packed document run alone through transformers (or peft on it),
+    the packed loss = mean over all targets per micro-batch, accumulated over the micro-batches; returns the loss."""
+    losses = []
+    for (input_ids, _position_ids, _segment_ids), labels in _batches():
+        logits = torch.cat([reference(input_ids=input_ids[:, :6]).logits,
+                            reference(input_ids=input_ids[:, 6:]).logits], dim=1)  # (B, T, V)
+        keep = labels != -100
+        loss = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+        (loss / GRAD_ACCUM).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean().item()
+
+
 def test_two_stage_training_step_matches_transformers(tmp_path):
     hf_dir, save_dir, result_dir = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "results"
     result_dir.mkdir()
@@ -146,20 +160,11 @@ def test_two_stage_training_step_matches_transformers(tmp_path):
     assert results[0]["range"][0] == 0 and results[0]["range"][1] == results[1]["range"][0]
     assert results[1]["range"][1] == CFG.num_pipeline_layers
 
-    # Reference: each packed document run alone through transformers, the packed loss = mean over all targets.
     before = copy.deepcopy(reference.state_dict())
     optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    losses = []
-    for (input_ids, _position_ids, _segment_ids), labels in _batches():
-        logits = torch.cat([reference(input_ids=input_ids[:, :6]).logits,
-                            reference(input_ids=input_ids[:, 6:]).logits], dim=1)  # (B, T, V)
-        keep = labels != -100
-        loss = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
-        (loss / GRAD_ACCUM).backward()
-        losses.append(loss.detach())
+    expected_loss = _reference_backward(reference)
     expected_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters()}
     optimizer.step()
-    expected_loss = torch.stack(losses).mean().item()
     assert results[1]["loss"] == pytest.approx(expected_loss, rel=1e-5)
     grads = {**torch.load(result_dir / "grads0.pt"), **torch.load(result_dir / "grads1.pt")}
     assert sorted(grads) == sorted(expected_grads)
@@ -212,19 +217,12 @@ def test_two_stage_lora_step_matches_peft_on_transformers(tmp_path, partition):
     start = {n: _adapter_values(n, tuple(t.shape)) for n, t in updated.items()}
     assert not peft.set_peft_model_state_dict(reference, start).unexpected_keys
     optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **ADAMW)
-    losses = []
-    for (input_ids, _position_ids, _segment_ids), labels in _batches():
-        logits = torch.cat([reference(input_ids=input_ids[:, :6]).logits,
-                            reference(input_ids=input_ids[:, 6:]).logits], dim=1)  # (B, T, V)
-        keep = labels != -100
-        loss = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
-        (loss / GRAD_ACCUM).backward()
-        losses.append(loss.detach())
+    expected_loss = _reference_backward(reference)
     peft_name = {n: n.replace(".default.", ".") for n, p in reference.named_parameters() if p.requires_grad}
     expected = {peft_name[n]: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
     optimizer.step()
     after = {peft_name[n]: p.detach() for n, p in reference.named_parameters() if p.requires_grad}
-    assert results[1]["loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+    assert results[1]["loss"] == pytest.approx(expected_loss, rel=1e-5)
     assert sorted(grads) == sorted(expected) == sorted(updated) and len(grads) == 2 * 7 * CFG.num_hidden_layers
     for name, grad in grads.items():
         assert grad.abs().max() > 0, name

@@ -96,13 +96,14 @@ def stage_state(module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in stage_named_parameters(module).items()}
 
 
-def capture_gradients(engine, module) -> dict[str, torch.Tensor]:
-    """Fill the returned dict with the HF-named gradients the optimizer sees at its next step.
+def capture_gradients(engine, module, names: dict[int, str] | None = None) -> dict[str, torch.Tensor]:
+    """Fill the returned dict with the gradients the optimizer sees at its next step, under ``names`` (parameter
+    id -> name; default: the stage's parameters' HF names).
 
     Adam's first step is nearly invariant to the gradient's scale, so comparing updated weights alone would miss a
     wrong loss scaling (e.g. gradient accumulation); the gradients themselves are compared too.
     """
-    names = {id(p): name for name, p in stage_named_parameters(module).items()}
+    names = names or {id(p): name for name, p in stage_named_parameters(module).items()}
     captured: dict[str, torch.Tensor] = {}
 
     def snapshot(optimizer, _args, _kwargs):
@@ -443,17 +444,8 @@ def _lora_stage(hf_dir, **module_kwargs):
 
 def _adapter_gradients(engine, module) -> dict[str, torch.Tensor]:
     """The adapter gradients the optimizer sees at its next step, under PEFT adapter-file names."""
-    names = {id(p): name for name, p in zip(adapter_state_dict(module),
-                                            (p for n, p in module.named_parameters() if ".lora_" in n), strict=True)}
-    captured: dict[str, torch.Tensor] = {}
-
-    def snapshot(optimizer, _args, _kwargs):
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                captured[names[id(param)]] = param.grad.detach().clone()
-
-    engine.optimizer.register_step_pre_hook(snapshot)
-    return captured
+    return capture_gradients(engine, module, {id(p): name for name, p in zip(
+        adapter_state_dict(module), (p for n, p in module.named_parameters() if ".lora_" in n), strict=True)})
 
 
 @pytest.fixture(scope="module")
