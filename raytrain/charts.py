@@ -83,7 +83,8 @@ def loss_chart(metrics: list[dict], out_path: str) -> str:
     fig, ax = _figure("loss", "step", "loss (nats per target token)")
     steps, loss = _series(metrics, "loss")
     ax.plot(steps, loss, marker=".", label="training loss")
-    for key, label, marker in (("validation_loss", "validation loss (held out)", "o"), ("benchmark_loss", "benchmark loss", "s")):
+    for key, label, marker in (("validation_loss", "validation loss (held out)", "o"),
+                               ("benchmark_loss", "benchmark loss", "s")):
         s, v = _series(metrics, key)
         if s:
             ax.plot(s, v, marker=marker, linestyle="--", label=label)

@@ -204,9 +204,8 @@ def _stages(args: argparse.Namespace, job, con: console.Console) -> int:
 
         summary = (run_sft if args.command == "run" else run_train)(job, max_failures=args.max_failures)
         final = summary["final"]
-        held_out = "".join(f", {label} {final[key]:.4f}" for key, label in (("validation_loss", "validation loss"),
-                                                                            ("benchmark_loss", "benchmark loss"))
-                           if key in final)
+        held_out = "".join(f", {label} {final[key]:.4f}" for key, label in (
+            ("validation_loss", "validation loss"), ("benchmark_loss", "benchmark loss")) if key in final)
         con.line("")
         con.line(f"raytrain: trained to step {final.get('step')} (loss {final.get('loss', float('nan')):.4f}"
                  f"{held_out}) in {time.perf_counter() - t0:.0f}s", style="bold green")

@@ -41,9 +41,9 @@ SYSTEM_PROMPT_MODES = ("keep", "select")
 ANSWER_TEXTS = ("final", "full")
 """enrich.answer_text values (raytrain.enrich.conversation.answer_for_scoring applies them)."""
 ATTENTION_IMPLS = ("dense", "segment", "flex")
+"""model.attn_impl values (raytrain.pipeline.attention implements them)."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """transformers' names of the Mistral projections a LoRA adapter can sit on (our layers use the same names)."""
-"""model.attn_impl values (raytrain.pipeline.attention implements them)."""
 
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
 """The dataset card's five splits (data.splits chooses among them; the sample writes each)."""
@@ -227,8 +227,8 @@ class DatasetConfig:
     """v3 only (v1 keeps both): an assistant turn with text (e.g. a <think> trace) and tool calls cannot be encoded;
     'drop_text' keeps the calls and drops the text (counted in the enrich report), 'quarantine' quarantines the row."""
     validation_fraction: float = 0.0
-    """Share of the enriched rows held out for validation (validation loss), chosen by a hash of the uuid: the same rows
-    on every rerun and resume, never trained on. 0 = no validation set."""
+    """Share of the enriched rows held out for validation (validation loss), chosen by a hash of the uuid: the same
+    rows on every rerun and resume, never trained on. 0 = no validation set."""
     validation_max_rows: int = 2000
     """Cap on the held-out rows: the fraction is lowered to about this many rows of a large dataset."""
     split_weights: tuple[str, ...] = ()
@@ -281,7 +281,8 @@ class LoraConfig:
     alpha: float = 16.0
     """Adapter scale: its output is multiplied by alpha / rank (peft's lora_alpha)."""
     dropout: float = 0.0
-    """Dropout on the adapter's input while training (peft's lora_dropout), in [0, 1)."""
+    """Dropout on the adapter's input while training (peft's lora_dropout), in [0, 1). Above 0 a resumed run is no
+    longer bit-equal to an uninterrupted one: the dropout masks' random state is not in the checkpoint."""
     targets: tuple[str, ...] = LORA_TARGETS
     """The projections that get an adapter, by transformers' Mistral module names (default: all seven)."""
 

@@ -17,6 +17,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from raytrain.config import LoraConfig
 from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
+from raytrain.errors import RaytrainError
 from raytrain.pipeline.model import MistralConfig
 from raytrain.pipeline.module import build_pipeline_module
 
@@ -199,8 +200,9 @@ class StageEngine:
             saved = set(torch.load(path, map_location="cpu", weights_only=True))
             trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
             if saved != trainable:
-                raise RuntimeError(f"{path} holds {sorted(saved)[:4]}... but the layer trains {sorted(trainable)[:4]}"
-                                   "...: it was not written by a run with the same model.lora settings")
+                raise RaytrainError(f"{path} holds {sorted(saved)[:4]}... but the layer trains "
+                                    f"{sorted(trainable)[:4]}...: it was not written by a run with the same "
+                                    "model.lora settings")
 
 
 def keep_fp32_grad_norm(engine: Any) -> None:

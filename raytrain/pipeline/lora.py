@@ -230,5 +230,6 @@ def export_lora(tag_dir: str, cfg: MistralConfig, lora: LoraConfig, out_dir: str
     return out
 
 
-__all__ = ["adapter_parameter_count", "add_adapters", "base_identity", "check_resume_settings", "adapter_state_dict", "decoder_layers", "export_lora", "load_adapter_state_dict", "model_parameter_counts", "parameter_counts",
+__all__ = ["adapter_parameter_count", "add_adapters", "adapter_state_dict", "base_identity", "check_resume_settings",
+           "decoder_layers", "export_lora", "load_adapter_state_dict", "model_parameter_counts", "parameter_counts",
            "peft_config"]
