@@ -204,3 +204,110 @@ def test_generate_answers_the_same_from_the_merged_model_and_the_adapter(exporte
     merged = generate(out, "Why is the sky blue?", max_new_tokens=6)
     adapter = generate(os.path.join(out, "adapter"), "Why is the sky blue?", max_new_tokens=6)
     assert merged.prompt_ids == adapter.prompt_ids and merged.new_ids == adapter.new_ids and merged.new_ids
+
+
+# ---- the first step through Ray Train against peft on transformers ------------------------------------------------
+@pytest.fixture(scope="module")
+def three_steps(straight):
+    """Three optimizer steps, checkpointed after the third. DeepSpeed's WarmupCosineLR runs the first two at
+    learning rate 0 (before its first step, and at warmup ratio 0 / 1); the third moves the adapters."""
+    src, _ = straight
+    job = make_job(src.storage.root, "three-steps", "train.max_steps=3", "train.warmup_steps=1",
+                   "train.checkpoint_every=3")
+    shutil.copytree(open_run(src).paths.packed.path, open_run(job).paths.packed.path)
+    run_train(job)
+    return job
+
+
+def _hf_reference(job):
+    """transformers' MistralForCausalLM holding the run's seeded base, with peft's adapters set to the ones the run
+    started from (drawn again from the seed): the same model, made by code no one here wrote."""
+    import peft
+    import transformers
+
+    from raytrain.pipeline.lora import adapter_state_dict, peft_config
+    from raytrain.pipeline.model import hf_prefix
+
+    cfg, seed = model_config(job.model.preset), job.train.seed
+    hf = transformers.MistralForCausalLM._from_config(cfg.to_hf(), attn_implementation="eager")
+    hf.load_state_dict({hf_prefix(i, cfg) + name: tensor for i, layer in enumerate(build_sequential(cfg, seed=seed))
+                        for name, tensor in layer.state_dict().items()})
+    ours = build_sequential(cfg, seed=seed)
+    add_adapters(ours, job.model.lora, seed)
+    reference = peft.get_peft_model(hf, peft_config(job.model.lora))
+    assert not peft.set_peft_model_state_dict(reference, adapter_state_dict(ours)).unexpected_keys
+    return reference
+
+
+def _global_batch_loss(reference, job, step: int) -> tuple[torch.Tensor, int]:
+    """The global batch of ``step`` (its packs of epoch 0's order, read by pyarrow), each packed document run alone
+    through the reference: cross-entropy summed over every target token, divided by their count."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain.dataset.labels import IGNORE_INDEX
+    from raytrain.trainer.feed import epoch_order
+
+    tc, packed = job.train, open_run(job).paths.packed.path
+    with open(os.path.join(packed, "_manifest.json")) as f:
+        manifest = json.load(f)
+    table = pa.concat_tables([pq.read_table(os.path.join(packed, n), columns=["input_ids", "segment_ids", "labels"])
+                              for n in manifest["files"]])
+    per_step = tc.dp * tc.grad_accum_steps * tc.micro_batch_size
+    rows = epoch_order(manifest["num_packs"], 0, tc.seed, tc.shuffle)[(step - 1) * per_step:step * per_step]
+    loss_sum, targets = torch.zeros(()), 0
+    for row in rows:
+        ids, seg, labels = (torch.tensor(np.array(table.column(c)[int(row)].as_py())) for c in
+                            ("input_ids", "segment_ids", "labels"))
+        for doc in sorted(set(seg.tolist()) - {-1}):
+            where = (seg == doc).nonzero().flatten()
+            a, b = int(where[0]), int(where[-1]) + 1
+            logits = reference(input_ids=ids[a:b][None]).logits[0]  # (T_doc, V)
+            loss_sum = loss_sum + torch.nn.functional.cross_entropy(logits, labels[a:b], ignore_index=IGNORE_INDEX,
+                                                                    reduction="sum")
+            targets += int((labels[a:b] != IGNORE_INDEX).sum())
+    return loss_sum / targets, targets
+
+
+def test_steps_through_ray_train_equal_peft_on_transformers(three_steps):
+    """pp=2 through Ray Train, fp32, CPU, from the run's own initial adapters: each step's loss and gradient norm
+    (over both stages' adapters, before clipping), and the adapters after the third step, equal peft's on
+    transformers' model stepped by torch AdamW with the steps' learning rates and the ds_config's betas and eps.
+    The frozen base is checked bit-identical to the seed's in test_the_base_stays_as_seeded_and_the_adapters_train.
+
+    The learning rate a metrics row reports is the scheduler's after that step, the one the next step uses; the
+    first step runs at the scheduler's initial 0."""
+    job = three_steps
+    tc, metrics = job.train, _metrics(job)
+    used_lr = [0.0] + [row["lr"] for row in metrics[:-1]]
+    assert used_lr[:2] == [0.0, 0.0] and used_lr[2] > 0
+    reference = _hf_reference(job)
+    trainable = {n.replace(".default.", "."): p for n, p in reference.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(list(trainable.values()), lr=0.0, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=tc.weight_decay)
+    for step, row in enumerate(metrics, start=1):
+        optimizer.zero_grad()
+        loss, targets = _global_batch_loss(reference, job, step)
+        assert row["step"] == step and row["target_tokens"] == targets
+        assert row["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(trainable.values()), tc.grad_clip)
+        assert row["grad_norm"] == pytest.approx(float(norm), rel=1e-4) and float(norm) > 0
+        grads = {n: p.grad.clone() for n, p in trainable.items()}
+        for group in optimizer.param_groups:
+            group["lr"] = used_lr[step - 1]
+        optimizer.step()
+    ckpt = CheckpointStore(open_run(job).root).latest()
+    assert ckpt.step == len(metrics) == 3
+    moved = 0
+    for layer in (1, 2):
+        saved = torch.load(os.path.join(ckpt.local_path, "ds", f"layer_{layer:02d}-model_states.pt"),
+                           weights_only=True)
+        for local, tensor in saved.items():
+            name = f"base_model.model.model.layers.{layer - 1}.{local.replace('.default.', '.')}"
+            clear = grads[name].abs() > 1e-6  # Adam's step near |grad| ~ eps is fp32 noise
+            torch.testing.assert_close(tensor[clear], trainable[name].detach()[clear], rtol=0.0, atol=1e-5,
+                                       msg=name)
+            moved += int(clear.any())
+    assert moved >= len(job.model.lora.targets) * 2  # every lora_B of both layers moved on the third step
