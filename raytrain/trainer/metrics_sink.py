@@ -42,9 +42,10 @@ class MetricsSink:
         # `tensorboard --logdir <run>/reports/tensorboard`
         self.board = _tensorboard(os.path.join(reports_dir, "tensorboard"), start_step) if reports_dir and lead \
             else None
-        counts = model_parameter_counts(job)
+        # only rank 0 records them: the other ranks skip building the model on the meta device
+        counts = model_parameter_counts(job) if lead else None
         self.trackers = Trackers(job, reports_dir, topo.world_rank, counts)  # MLflow / W&B on request, rank 0
-        if self.board is not None:
+        if self.board is not None and counts is not None:
             lora = job.model.lora
             kind = f"LoRA rank {lora.rank} on {', '.join(lora.targets)}" if lora.rank else "full fine-tune"
             self.board.add_text("run/parameters", f"{kind}: {counts['trainable']:,} trainable of "
