@@ -46,9 +46,13 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """transformers' names of the Mistral projections a LoRA adapter can sit on (our layers use the same names)."""
 
 SPLITS = ("chat", "code", "math", "stem", "tool_calling")
-"""The dataset card's five splits (data.splits chooses among them; the sample writes each)."""
+"""The dataset card's five splits (input.splits chooses among them; the sample writes each)."""
 
-DATA_SECTIONS = ("data", "enrich", "dataset")
+RENAMED = {"data": "input", "train.sample_new_tokens": "train.generation_tokens"}
+"""Config keys of earlier versions and their names now: a config that uses one gets an error naming the new one
+(``data`` held the input's path as ``data.input_path``, now ``input.path``)."""
+
+DATA_SECTIONS = ("input", "enrich", "dataset")
 """The config sections that decide the enriched rows and the packed sequences (``JobConfig.data_hash``)."""
 
 
@@ -102,8 +106,8 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    input_path: str = "sample"
+class InputConfig:
+    path: str = "sample"
     """Nemotron-Post-Training-Dataset-v1 Parquet (local path, file:// or s3://) in any of the layouts
     raytrain.enrich.inputs accepts: the dataset root holding data/<split>-NNNNN-of-NNNNN.parquet (as the hub
     publishes it; tool_calling files are tool-*), that data/ folder itself, a hub cache snapshot folder, or one
@@ -114,11 +118,11 @@ class DataConfig:
     """Read at most this many rows per split (0 = all); handy for smoke runs on big inputs."""
 
     def __post_init__(self) -> None:
-        _require(bool(self.input_path), "data.input_path", "must not be empty; use 'sample' for the shipped sample")
-        _require(len(self.splits) > 0, "data.splits", f"choose at least one of {list(SPLITS)}")
+        _require(bool(self.path), "input.path", "must not be empty; use 'sample' for the shipped sample")
+        _require(len(self.splits) > 0, "input.splits", f"choose at least one of {list(SPLITS)}")
         for s in self.splits:
-            _require(s in SPLITS, "data.splits", f"unknown split {s!r}; choose from {list(SPLITS)}")
-        _require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 = all rows)")
+            _require(s in SPLITS, "input.splits", f"unknown split {s!r}; choose from {list(SPLITS)}")
+        _require(self.max_rows >= 0, "input.max_rows", "must be >= 0 (0 = all rows)")
 
 
 @dataclass(frozen=True)
@@ -348,9 +352,9 @@ class TrainConfig:
     shuffle: bool = True
     """Train each epoch's packs in a new order drawn from (seed, epoch): the same on every stage and replica,
     recomputed exactly on resume. False = the order the packs were written in, every epoch."""
-    sample_new_tokens: int = 32
+    generation_tokens: int = 32
     """At every checkpoint, greedy continuations (up to this many tokens) of the first micro_batch_size validation
-    prompts, written with their reference answers to the run's reports/samples.jsonl (0 = none; needs a
+    prompts, written with their reference answers to the run's reports/generations.jsonl (0 = none; needs a
     validation set)."""
     tracking: tuple[str, ...] = ()
     """Experiment trackers besides TensorBoard (always on): "mlflow", "wandb", through Ray's integrations; rank 0
@@ -398,7 +402,7 @@ class TrainConfig:
         for name in ("pp", "dp", "micro_batch_size", "grad_accum_steps", "max_steps", "checkpoint_every", "keep_last"):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the last step)")
-        _require(self.sample_new_tokens >= 0, "train.sample_new_tokens", "must be >= 0 (0 = no samples)")
+        _require(self.generation_tokens >= 0, "train.generation_tokens", "must be >= 0 (0 = no generations)")
         _require(self.keep_best != "eval_loss", "train.keep_best", "the metric 'eval_loss' is now "
                  "'validation_loss' (the loss on the held-out rows): write keep_best: validation_loss")
         for tracker in self.tracking:
@@ -467,7 +471,7 @@ class RayConfig:
 @dataclass(frozen=True)
 class JobConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    input: InputConfig = field(default_factory=InputConfig)
     enrich: EnrichConfig = field(default_factory=EnrichConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -645,6 +649,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for raw_key, value in data.items():
         key = raw_key.text if isinstance(raw_key, PlainScalar) else raw_key
         name = f"{prefix}.{key}" if prefix else str(key)
+        if name in RENAMED:
+            raise ConfigError(f"config key {name!r} is now {RENAMED[name]!r} (renamed; same meaning)")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" Did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""

@@ -204,8 +204,8 @@ def _init_embedded(num_cpus: int, runtime_env: dict[str, Any], dashboard: bool) 
 
 def stage_input(run: Run) -> StorageLocation:
     """The input root; 'sample' generates the shipped sample dataset inside the run (deterministic)."""
-    if run.job.data.input_path != "sample":
-        return resolve(run.job.data.input_path, s3_endpoint=run.job.storage.s3_endpoint or None)
+    if run.job.input.path != "sample":
+        return resolve(run.job.input.path, s3_endpoint=run.job.storage.s3_endpoint or None)
     from raytrain.sample_data import write_sample_dataset
 
     target = run.paths.sample
@@ -449,16 +449,16 @@ def _plan_enrichment_early(run: Run) -> None:
     from raytrain.enrich.plan import plan_enrichment
 
     job, s3_endpoint = run.job, run.job.storage.s3_endpoint or None
-    input_root = resolve(job.data.input_path, s3_endpoint=s3_endpoint)
-    if job.data.input_path != "sample" and "sample" not in job.enrich.context_corpus:
+    input_root = resolve(job.input.path, s3_endpoint=s3_endpoint)
+    if job.input.path != "sample" and "sample" not in job.enrich.context_corpus:
         plan = plan_enrichment(job, input_root, eval_set_paths(run, input_root))
         for line in plan.inputs.describe():
             log.info("%s", line)
         footers, corpus_files = plan.footers, plan.corpus_files
         _PLANS[(run.root.uri, job.config_hash())] = plan
     else:
-        footers = validate_inputs(discover_inputs(input_root, job.data.splits)) \
-            if job.data.input_path != "sample" else None
+        footers = validate_inputs(discover_inputs(input_root, job.input.splits)) \
+            if job.input.path != "sample" else None
         corpus = [c for c in job.enrich.context_corpus if c != "sample"]
         corpus_files = check_corpus(corpus, job.enrich.corpus_id_field, job.enrich.corpus_text_field,
                                     s3_endpoint=s3_endpoint) if corpus else None

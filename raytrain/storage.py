@@ -331,7 +331,7 @@ class RunPaths:
 
     @property
     def sample(self) -> StorageLocation:
-        """The sample dataset, when data.input_path is 'sample'."""
+        """The sample dataset, when input.path is 'sample'."""
         return self.data.join("sample")
 
     @property

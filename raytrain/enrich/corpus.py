@@ -54,7 +54,7 @@ def _corpus_files(spec: str, i: int, input_root: StorageLocation | None, s3_endp
     field = f"enrich.context_corpus[{i}]"
     if spec == "sample":
         if input_root is None:
-            raise RaytrainError(f"{field}: 'sample' needs the sample dataset as data.input_path")
+            raise RaytrainError(f"{field}: 'sample' needs the sample dataset as input.path")
         loc = input_root.join(*SAMPLE_CORPUS)
     else:
         loc = resolve(spec, s3_endpoint=s3_endpoint)

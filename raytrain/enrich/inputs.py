@@ -1,6 +1,6 @@
 """Find the input Parquet files of nvidia/Nemotron-Post-Training-Dataset-v1 in whatever layout the user has.
 
-Accepted layouts, checked in this order at the path the user gives (``data.input_path``):
+Accepted layouts, checked in this order at the path the user gives (``input.path``):
 
 (a) the hub's ``data/`` folder itself, holding ``<prefix>-NNNNN-of-NNNNN.parquet``;
 (b) a dataset root (or one hub-cache snapshot, ``snapshots/<revision>/``) holding that ``data/`` folder;
@@ -87,10 +87,10 @@ def discover_inputs(input_root: StorageLocation, splits: tuple[str, ...]) -> Inp
     info = input_root.filesystem.get_file_info(input_root.path)
     if info.type == pafs.FileType.NotFound:
         raise RaytrainError(
-            f"data.input_path: {input_root.uri} does not exist. Fix: point it at the dataset root, its data/ "
-            f"folder or the hub cache folder {HUB_REPO_DIR}/, or use data.input_path=sample.")
+            f"input.path: {input_root.uri} does not exist. Fix: point it at the dataset root, its data/ "
+            f"folder or the hub cache folder {HUB_REPO_DIR}/, or use input.path=sample.")
     if info.type != pafs.FileType.Directory:
-        raise RaytrainError(f"data.input_path: {input_root.uri} is a file, not a folder. Fix: point it at the "
+        raise RaytrainError(f"input.path: {input_root.uri} is a file, not a folder. Fix: point it at the "
                             "folder holding the Parquet files (or their data/ folder).")
     entries = _entries(input_root)
 
@@ -100,10 +100,10 @@ def discover_inputs(input_root: StorageLocation, splits: tuple[str, ...]) -> Inp
         found = _hub_layout(snapshot, _entries(snapshot))
         if found is None:
             raise RaytrainError(
-                f"data.input_path: hub cache snapshot {snapshot.uri} holds no data/<prefix>-NNNNN-of-NNNNN.parquet "
+                f"input.path: hub cache snapshot {snapshot.uri} holds no data/<prefix>-NNNNN-of-NNNNN.parquet "
                 f"files (found: {_some(_named(_entries(snapshot)))}). Fix: finish the download "
                 "(huggingface-cli download nvidia/Nemotron-Post-Training-Dataset-v1 --repo-type dataset) "
-                "or point data.input_path at another snapshot.")
+                "or point input.path at another snapshot.")
     if found is not None:
         root, data_dir, data_entries = found
         by_split = _group_hub_files(data_dir, data_entries)
@@ -117,9 +117,9 @@ def discover_inputs(input_root: StorageLocation, splits: tuple[str, ...]) -> Inp
     absent = [s for s in splits if s not in by_split]
     if absent:
         raise RaytrainError(
-            f"data.splits: no files for split(s) {absent} under {root.uri} ({layout} layout); found splits "
-            f"{sorted(by_split)}. Fix: drop {', '.join(repr(s) for s in absent)} from data.splits "
-            f"(e.g. data.splits=[{', '.join(s for s in splits if s in by_split) or '...'}]) or download "
+            f"input.splits: no files for split(s) {absent} under {root.uri} ({layout} layout); found splits "
+            f"{sorted(by_split)}. Fix: drop {', '.join(repr(s) for s in absent)} from input.splits "
+            f"(e.g. input.splits=[{', '.join(s for s in splits if s in by_split) or '...'}]) or download "
             "their files.")
     files: dict[str, tuple[StorageLocation, ...]] = {}
     missing: dict[str, list[str]] = {}
@@ -203,14 +203,14 @@ def _pick_snapshot(repo: StorageLocation) -> StorageLocation:
         if revision in snapshots:
             return snapshots_dir.join(revision)
         raise RaytrainError(
-            f"data.input_path: {ref.uri} names revision {revision!r} but {snapshots_dir.uri} holds "
-            f"{snapshots or 'no snapshots'}. Fix: finish the download or point data.input_path at one of "
+            f"input.path: {ref.uri} names revision {revision!r} but {snapshots_dir.uri} holds "
+            f"{snapshots or 'no snapshots'}. Fix: finish the download or point input.path at one of "
             f"{snapshots_dir.uri}/<revision>.")
     if len(snapshots) == 1:
         return snapshots_dir.join(snapshots[0])
     raise RaytrainError(
-        f"data.input_path: {repo.uri} has no refs/main and {len(snapshots)} snapshots ({_some(snapshots)}). "
-        f"Fix: point data.input_path at one of them, e.g. {snapshots_dir.uri}/<revision>.")
+        f"input.path: {repo.uri} has no refs/main and {len(snapshots)} snapshots ({_some(snapshots)}). "
+        f"Fix: point input.path at one of them, e.g. {snapshots_dir.uri}/<revision>.")
 
 
 def _group_hub_files(data_dir: StorageLocation, entries: dict[str, pafs.FileType]) -> dict[str, list[StorageLocation]]:
@@ -269,10 +269,10 @@ def _nothing_matches(root: StorageLocation, entries: dict[str, pafs.FileType]) -
         found += f"; in its data/: {_some(_named(data_entries)) if data_entries else 'nothing'}"
     hint = ""
     if _is_dir(entries, HUB_REPO_DIR):
-        hint = f" This looks like a hub cache: point data.input_path at {root.join(HUB_REPO_DIR).uri}."
+        hint = f" This looks like a hub cache: point input.path at {root.join(HUB_REPO_DIR).uri}."
     return RaytrainError(
-        f"data.input_path: no Nemotron-Post-Training-Dataset-v1 Parquet files at {root.uri} ({found}). "
-        f"{_ACCEPTED}.{hint} Fix: point data.input_path at one of these, or use data.input_path=sample.")
+        f"input.path: no Nemotron-Post-Training-Dataset-v1 Parquet files at {root.uri} ({found}). "
+        f"{_ACCEPTED}.{hint} Fix: point input.path at one of these, or use input.path=sample.")
 
 
 # ---- listing helpers ---------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
 
     t0 = time.perf_counter()
     raw = passes.read_inputs(spark, {k: [spark_uri(loc) for loc in v] for k, v in plan.inputs.files.items()},
-                            job.data.max_rows, {k: v["schema"] for k, v in plan.footers.items()})
+                            job.input.max_rows, {k: v["schema"] for k, v in plan.footers.items()})
     prepared = passes.prepare(raw, eval_array, job)
     dups = passes.duplicates(spark, prepared, job)  # its one Spark job runs pass 1
     pass_seconds["prepare_and_dedup"] = time.perf_counter() - t0
@@ -205,7 +205,7 @@ def _commit(job: JobConfig, plan: EnrichPlan, tally: Tally, report: dict[str, An
                      "partitioned_by": "hash of uuid"},
         "quarantine": {"uri": quarantine.uri, "rows": tally.quarantine_rows, "files": tally.quarantine_files,
                        "per_reason": tally.per_reason},
-        "eval_sets": plan.evals.sources, "config": {k: job.to_dict()[k] for k in ("data", "enrich", "dataset")},
+        "eval_sets": plan.evals.sources, "config": {k: job.to_dict()[k] for k in ("input", "enrich", "dataset")},
     }
     enriched.join(MANIFEST).write_atomic(json.dumps(manifest, indent=2, sort_keys=True))
     summary = summary_text(report)

@@ -62,7 +62,7 @@ class EnrichPlan:
     footers: dict[str, dict[str, Any]]
     """Per split: rows and the Arrow schema, from the Parquet footers."""
     rows_per_split: dict[str, int]
-    """Rows the enrichment reads per split (data.max_rows applied)."""
+    """Rows the enrichment reads per split (input.max_rows applied)."""
     evals: EvalSets
     eval_index: set[int]
     """The eval sets' n-gram hashes (decontam.build_eval_index)."""
@@ -78,11 +78,11 @@ def plan_enrichment(job: JobConfig, input_root: StorageLocation, eval_sets: tupl
     """Discover and validate the inputs (footers only), read the eval sets, check the corpus files: seconds, and
     every bad input fails here with its path and a fix. ``eval_sets`` overrides ``job.enrich.eval_sets``."""
     cfg = job.enrich
-    inputs = discover_inputs(input_root, job.data.splits)
+    inputs = discover_inputs(input_root, job.input.splits)
     footers = validate_inputs(inputs)
     rows_per_split = {k: v["rows"] for k, v in footers.items()}
-    if job.data.max_rows:
-        rows_per_split = {k: min(v, job.data.max_rows) for k, v in rows_per_split.items()}
+    if job.input.max_rows:
+        rows_per_split = {k: min(v, job.input.max_rows) for k, v in rows_per_split.items()}
     evals = load_eval_texts(tuple(cfg.eval_sets if eval_sets is None else eval_sets), input_root,
                             job.storage.s3_endpoint or None)
     corpus_files = check_corpus(cfg.context_corpus, cfg.corpus_id_field, cfg.corpus_text_field, input_root,

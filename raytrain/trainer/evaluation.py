@@ -1,6 +1,6 @@
 """What the loop reads and evaluates besides its training stream: the packed sets a worker is handed
-(``PackedFiles``), how it reads them (``PackSource``), the held-out evaluation (``Evaluator``) and the sample
-generations at checkpoints (``Samples``).
+(``PackedFiles``), how it reads them (``PackSource``), the held-out evaluation (``Evaluator``) and the
+generations at checkpoints (``Generations``).
 
 ``PackSource`` is the loop's seam for data: a worker reads packed Parquet (counts and ranges with pyarrow, the
 training stream with Ray Data tasks); tests hand the loop packs held in memory instead.
@@ -105,16 +105,16 @@ class Evaluator:
         return self.stage.eval_loss(eval_iter, count)
 
 
-class Samples:
+class Generations:
     """Greedy generations at each checkpoint on the first micro_batch_size validation prompts (the first document
     of each of the first validation packs, up to its first target token); rank 0 writes them with the reference
-    answers to reports/samples.jsonl."""
+    answers to reports/generations.jsonl."""
 
     def __init__(self, stage: Any, job: JobConfig, topo: Topology, held: PackSource, reports_dir: str | None) -> None:
         from raytrain.dataset.tokenize import load_tokenizer
 
         self.stage, self.job = stage, job
-        self.path = os.path.join(reports_dir, "samples.jsonl") if reports_dir and topo.world_rank == 0 else None
+        self.path = os.path.join(reports_dir, "generations.jsonl") if reports_dir and topo.world_rank == 0 else None
         self.tokenizer = load_tokenizer(job.dataset.tokenizer)
         self.count = min(job.train.micro_batch_size, held.num_packs)
         self.prompts: list[list[int]] | None = None
@@ -132,7 +132,7 @@ class Samples:
         tc = self.job.train
         inner = self.tokenizer.instruct_tokenizer.tokenizer
         new = self.stage.greedy_generate(self.prompts, num_prompts=self.count, micro_batch_size=tc.micro_batch_size,
-                                         seq_len=self.job.dataset.seq_len, max_new_tokens=tc.sample_new_tokens,
+                                         seq_len=self.job.dataset.seq_len, max_new_tokens=tc.generation_tokens,
                                          eos_id=inner.eos_id)
         if self.path is None:
             return
@@ -141,4 +141,4 @@ class Samples:
                 f.write(json.dumps({"step": step, "prompt": inner.decode(prompt), "reference": inner.decode(reference),
                                     "generated": inner.decode(tokens), "prompt_ids": prompt,
                                     "generated_ids": tokens}) + "\n")
-        print(f"[raytrain] step {step}: {len(new)} sample generations -> {self.path}", flush=True)
+        print(f"[raytrain] step {step}: {len(new)} generations -> {self.path}", flush=True)

@@ -29,7 +29,7 @@ from raytrain.pipeline.model import model_config
 from raytrain.redact import redact_tree
 from raytrain.runlock import Fence
 from raytrain.storage import RunPaths, StorageLocation, apply_run_umask, resolve
-from raytrain.trainer.evaluation import Evaluator, OpenPacks, PackedFiles, PackSource, Samples
+from raytrain.trainer.evaluation import Evaluator, Generations, OpenPacks, PackedFiles, PackSource
 from raytrain.trainer.feed import FeedTrace, micro_batches
 from raytrain.trainer.metrics_sink import MetricsSink
 from raytrain.trainer.schedule import Topology, check_resume_position, data_position
@@ -101,8 +101,8 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
     held = {metric: open_packs(packed) for metric, packed in (("validation_loss", cfg.validation),
                                                               ("benchmark_loss", cfg.benchmark)) if packed}
     evaluator = Evaluator(stage, topo, job, held)
-    samples = Samples(stage, job, topo, held["validation_loss"], cfg.local_reports_dir) \
-        if tc.sample_new_tokens and "validation_loss" in held else None
+    generations = Generations(stage, job, topo, held["validation_loss"], cfg.local_reports_dir) \
+        if tc.generation_tokens and "validation_loss" in held else None
     sink = MetricsSink(job, topo, cfg.local_reports_dir, step, {m: s.num_packs for m, s in held.items()}, report)
     clock = _StepClock(job, topo, step, int(resumed_metrics.get("tokens_seen") or 0), mfu_of)
     end_step = tc.stop_at_step or tc.max_steps
@@ -119,8 +119,8 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
             if step % tc.checkpoint_every == 0 or step == end_step:
                 _save_checkpoint(store, stage, step, cfg, metrics)
                 sink.checkpoint(step, store.root.uri)
-                if samples is not None:
-                    samples.generate(step)
+                if generations is not None:
+                    generations.generate(step)
             sink.report(metrics)
     finally:
         sink.close()

@@ -87,7 +87,7 @@ def check_enough_packs(num_packs: int, micro_batch_size: int, dp: int, grad_accu
         raise RaytrainError(
             f"the packed dataset holds {num_packs} sequences = {micro_batches} micro-batches of "
             f"train.micro_batch_size={micro_batch_size}, fewer than one optimizer step needs (train.dp={dp} x "
-            f"train.grad_accum_steps={grad_accum_steps}); use more data (data.input_path), a smaller "
+            f"train.grad_accum_steps={grad_accum_steps}); use more data (input.path), a smaller "
             "dataset.seq_len or smaller batches")
 
 

@@ -318,7 +318,7 @@ def test_schema_error_names_column_and_file(out, ray_local, tmp_path):
     (tmp_path / "chat").mkdir()
     path = tmp_path / "chat" / "part-0.parquet"
     pq.write_table(bad, path)
-    job = load_job_config("configs/demo.yaml", ["data.splits=[chat]"])
+    job = load_job_config("configs/demo.yaml", ["input.splits=[chat]"])
     with pytest.raises(RaytrainError, match=r"column messages has type string") as e:
         run_enrich(job, resolve(str(tmp_path)), resolve(str(tmp_path / "run")))
     assert str(path) in str(e.value)
@@ -425,7 +425,7 @@ def test_corpus_table_reused_and_approximate_search_equals_exact(out, ray_local,
     shutil.copytree(out.run_root.join("data", "corpus").path, run_root / "data" / "corpus")  # the same run folder
     before = {p: os.stat(os.path.join(dp, p)).st_mtime_ns for dp, _, fs in os.walk(run_root / "data" / "corpus")
               for p in fs}
-    job = load_job_config("configs/demo.yaml", ["data.splits=[chat]", "data.max_rows=24", "enrich.num_partitions=1",
+    job = load_job_config("configs/demo.yaml", ["input.splits=[chat]", "input.max_rows=24", "enrich.num_partitions=1",
                                                 "enrich.corpus_exact_max_sentences=10"])
     result = run_enrich(job, resolve(out.sample.out_dir), resolve(str(run_root)), eval_sets=(out.sample.eval_path,))
     corpus = result.report["corpus"]

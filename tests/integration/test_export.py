@@ -37,7 +37,7 @@ NEW_TOKENS = 8
 def _overrides(root) -> list[str]:
     return [f"storage.root={root}", "storage.run_name=export", "storage.user=ci", "train.pp=2", "train.dp=1",
             f"train.max_steps={STEPS}", f"train.checkpoint_every={STEPS}", "train.warmup_steps=1",
-            "dataset.validation_fraction=0.2", f"train.sample_new_tokens={NEW_TOKENS}"]
+            "dataset.validation_fraction=0.2", f"train.generation_tokens={NEW_TOKENS}"]
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_checkpoint_samples_equal_transformers_greedy_decoding_of_the_export(exp
     """The greedy generations the trainer wrote at its checkpoint (through the pipeline's eval forward, one token per
     pass) equal transformers' ``generate`` on the export of that checkpoint from the same validation prompts."""
     _root, job = trained
-    with open(open_run(job).root.join("reports", "samples.jsonl").path) as f:
+    with open(open_run(job).root.join("reports", "generations.jsonl").path) as f:
         samples = [json.loads(line) for line in f]
     assert [s["step"] for s in samples] == [STEPS] * job.train.micro_batch_size
     hf = transformers.MistralForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()

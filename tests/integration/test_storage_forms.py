@@ -308,7 +308,7 @@ def test_bad_rows_are_quarantined_and_the_rest_kept(spark, tmp_path):
     from raytrain.sample_data.bad_rows import write_bad_rows_file
 
     bad = write_bad_rows_file(str(tmp_path / "bad"))
-    job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2", "data.splits=[chat]",
+    job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2", "input.splits=[chat]",
                                                 "enrich.context_corpus=[]"])
     result = enrich_in_session(spark, job, resolve(bad.out_dir), resolve(str(tmp_path / "run")), eval_sets=())
     report = result.report

@@ -106,9 +106,9 @@ def test_more_stages_than_decoder_layers_exits_2_before_starting_ray(tmp_path):
 def test_missing_input_path_exits_1_before_starting_ray(tmp_path):
     missing = tmp_path / "no-such-dataset"
     root = tmp_path / "runs"
-    out = cli("run", "configs/demo.yaml", f"data.input_path={missing}", f"storage.root={root}", "storage.user=ci")
+    out = cli("run", "configs/demo.yaml", f"input.path={missing}", f"storage.root={root}", "storage.user=ci")
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "data.input_path" in out.stderr and str(missing) in out.stderr
+    assert "input.path" in out.stderr and str(missing) in out.stderr
     assert_no_ray_and_no_traceback(out)
     assert not (root / "ci").exists(), "the run folder was created: the command got past preflight"
 
@@ -121,7 +121,7 @@ def test_input_folder_without_dataset_files_exits_1_before_starting_ray(tmp_path
     (folder / "README.md").write_text("not data")
     (folder / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1")
     root = tmp_path / "runs"
-    out = cli("run", "configs/demo.yaml", f"data.input_path={folder}", f"storage.root={root}", "storage.user=ci")
+    out = cli("run", "configs/demo.yaml", f"input.path={folder}", f"storage.root={root}", "storage.user=ci")
     assert out.returncode == 1, out.stdout + out.stderr
     assert str(folder) in out.stderr and "README.md" in out.stderr and "train-00000-of-00001.parquet" in out.stderr
     assert "Accepted layouts" in out.stderr and "tool" in out.stderr

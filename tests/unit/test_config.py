@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 
@@ -12,18 +13,18 @@ def test_demo_config_loads_and_matches_its_yaml():
     cfg = load_job_config(DEMO)
     assert cfg.train.pp == 2 and cfg.train.dp == 1
     assert cfg.model.preset == "tiny"
-    assert cfg.data.input_path == "sample"
+    assert cfg.input.path == "sample"
     assert cfg.enrich.eval_sets == ("sample",)
     assert cfg.train.global_batch_size == cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.train.dp
 
 
 def test_dotted_overrides_are_typed():
     cfg = load_job_config(DEMO, ["train.max_steps=20", "train.lr=3e-4", "train.use_gpu=true",
-                                 "data.splits=[chat, math]", "storage.run_name=exp1"])
+                                 "input.splits=[chat, math]", "storage.run_name=exp1"])
     assert cfg.train.max_steps == 20 and isinstance(cfg.train.max_steps, int)
     assert cfg.train.lr == pytest.approx(3e-4)
     assert cfg.train.use_gpu is True
-    assert cfg.data.splits == ("chat", "math")
+    assert cfg.input.splits == ("chat", "math")
     assert cfg.storage.run_name == "exp1"
 
 
@@ -53,7 +54,7 @@ def test_unknown_key_is_named_with_a_suggestion():
     ("train.pp=0", "train.pp"),
     ("train.use_gpu=maybe", "train.use_gpu"),
     ("dataset.tokenizer=v9", "dataset.tokenizer"),
-    ("data.splits=[chat, poetry]", "data.splits"),
+    ("input.splits=[chat, poetry]", "input.splits"),
     ("storage.run_name=../escape", "storage.run_name"),
     ("enrich.question_weight=1.5", "enrich.question_weight"),
     ("train.lr=true", "train.lr"),
@@ -113,7 +114,7 @@ def test_tracking_and_shuffle_settings_are_checked():
 def test_data_hash_follows_only_the_sections_that_decide_the_data():
     a = load_job_config(DEMO)
     assert a.data_hash() == load_job_config(DEMO).data_hash()
-    for override in ("enrich.top_k=5", "dataset.seq_len=64", "data.splits=[chat]"):
+    for override in ("enrich.top_k=5", "dataset.seq_len=64", "input.splits=[chat]"):
         assert load_job_config(DEMO, [override]).data_hash() != a.data_hash(), override
     for override in ("train.lr=0.1", "model.attn_impl=segment", "storage.run_name=other"):
         assert load_job_config(DEMO, [override]).data_hash() == a.data_hash(), override
@@ -259,7 +260,7 @@ def test_bad_names_name_the_field(field, name):
     ("enrich.executor_memory=lots", "enrich.executor_memory: 'lots': write a JVM size"),
     ("dataset.split_weights=[math=inf]", "dataset.split_weights: 'math=inf'"),
     ("dataset.split_weights=[math=nan]", "dataset.split_weights: 'math=nan'"),
-    ("data.max_rows=99999999999999999999", "data.max_rows: 99999999999999999999 is out of range"),
+    ("input.max_rows=99999999999999999999", "input.max_rows: 99999999999999999999 is out of range"),
     ("train.max_steps=1" + "0" * 5000, "train.max_steps: '1000"),
 ])
 def test_out_of_range_values_name_the_field(override, message):
@@ -299,3 +300,19 @@ def test_lora_is_off_by_default_on_all_seven_projections():
                                                "down_proj")
     assert load_job_config(DEMO, ["model.lora.rank=8", "model.lora.targets=[q_proj,v_proj]"]).model.lora.targets == \
         ("q_proj", "v_proj")
+
+
+@pytest.mark.parametrize(("override", "old", "new"), [
+    ("data.input_path=/mnt/x", "data", "input"),
+    ("train.sample_new_tokens=8", "train.sample_new_tokens", "train.generation_tokens"),
+])
+def test_a_renamed_key_gets_an_error_naming_its_new_name(override, old, new):
+    with pytest.raises(ConfigError, match=rf"config key '{re.escape(old)}' is now '{re.escape(new)}'"):
+        load_job_config(DEMO, [override])
+
+
+def test_a_config_file_with_the_old_data_section_is_refused_with_the_new_name(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("data:\n  input_path: sample\n")
+    with pytest.raises(ConfigError, match=r"config key 'data' is now 'input'"):
+        load_job_config(str(path))

@@ -13,7 +13,7 @@ from raytrain.storage import resolve
 
 def test_the_enrichment_uses_the_plan_preflight_made(tmp_path, monkeypatch):
     write_sample_dataset(str(tmp_path / "in"), rows_per_split=20)
-    cfg = load_job_config("configs/demo.yaml", [f"data.input_path={tmp_path / 'in'}", f"storage.root={tmp_path / 'runs'}",
+    cfg = load_job_config("configs/demo.yaml", [f"input.path={tmp_path / 'in'}", f"storage.root={tmp_path / 'runs'}",
                                                 "storage.user=me", "enrich.eval_sets=[sample]", "enrich.context_corpus=[]"])
     run = runner.Run(job=cfg, root=resolve(str(tmp_path / "runs" / "me" / "demo" / "r")), user="me")
     discovered = []
@@ -36,4 +36,4 @@ def test_the_enrichment_uses_the_plan_preflight_made(tmp_path, monkeypatch):
     got = job.run_enrich(cfg, input_root, run.root, eval_sets=runner.eval_set_paths(run, input_root),
                          plan=runner._PLANS.pop((run.root.uri, cfg.config_hash())))
     assert got == "result" and used == [early] and len(discovered) == 1
-    assert set(early.footers) == set(cfg.data.splits) and early.evals.texts and early.rows_in > 0
+    assert set(early.footers) == set(cfg.input.splits) and early.evals.texts and early.rows_in > 0

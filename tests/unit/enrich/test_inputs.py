@@ -197,7 +197,7 @@ def test_split_folders_with_any_parquet_names(tmp_path):
 
 def test_missing_path(tmp_path):
     gone = str(tmp_path / "nope")
-    with pytest.raises(RaytrainError, match=f"{gone} does not exist.*data.input_path=sample"):
+    with pytest.raises(RaytrainError, match=f"{gone} does not exist.*input.path=sample"):
         discover_inputs(resolve(gone), ("chat",))
 
 
@@ -217,7 +217,7 @@ def test_nothing_matches_names_what_was_found(tmp_path):
 
 def test_hub_cache_parent_gets_a_hint(tmp_path):
     (tmp_path / HUB_REPO_DIR / "snapshots").mkdir(parents=True)
-    with pytest.raises(RaytrainError, match=f"point data.input_path at file://{tmp_path}/{HUB_REPO_DIR}"):
+    with pytest.raises(RaytrainError, match=f"point input.path at file://{tmp_path}/{HUB_REPO_DIR}"):
         discover_inputs(resolve(str(tmp_path)), ("chat",))
 
 
@@ -227,7 +227,7 @@ def test_requested_split_without_files(trees):
             discover_inputs(resolve(path), ("chat", "stem"))
         msg = str(e.value)
         assert "['stem']" in msg and "['chat', 'code', 'math', 'tool_calling']" in msg and path in msg
-        assert "drop 'stem' from data.splits" in msg
+        assert "drop 'stem' from input.splits" in msg
 
 
 @pytest.mark.parametrize("names, words", [

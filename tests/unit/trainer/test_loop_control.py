@@ -111,7 +111,7 @@ class InMemoryPacks:
 
 def _run(tmp_path, *overrides: str, validation: int = 4) -> tuple[FakeStage, list[dict], str]:
     job = load_job_config(None, ["train.pp=1", "train.dp=1", "train.micro_batch_size=2", "train.grad_accum_steps=2",
-                                 "train.max_steps=7", "train.sample_new_tokens=0", f"storage.root={tmp_path}",
+                                 "train.max_steps=7", "train.generation_tokens=0", f"storage.root={tmp_path}",
                                  *overrides])
     run_root = resolve(str(tmp_path / "run"))
     reports = tmp_path / "run" / "reports"
