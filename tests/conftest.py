@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -15,3 +17,31 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Most tests start Ray without Ray's token auth (no token file under ~/.ray); the quick-start run
 # (integration/test_console_run.py) and the S3 run (integration/test_s3_run.py) run with it on.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The order and the units of work for pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts): each module
+    is one group, so its module-scoped Ray and Spark start once on one worker. Integration modules come first, the
+    first one that needs the shared demo run (tests/demo_run.py) at the head so that run starts at once, the other
+    modules that read it after those that do not; the unit modules fill the workers' ends."""
+    def module(item) -> str:
+        return os.path.relpath(str(item.fspath), ROOT)
+
+    def needs_demo(item) -> bool:
+        return "demo_run" in getattr(item, "fixturenames", ())
+
+    demo_modules = [m for m in dict.fromkeys(module(i) for i in items if needs_demo(i))]
+    demo_modules_set = set(demo_modules)
+
+    def rank(item) -> int:
+        m = module(item)
+        if "/integration/" not in f"/{m}":
+            return 3
+        if demo_modules and m == demo_modules[0]:
+            return 0
+        return 2 if m in demo_modules_set else 1
+
+    items.sort(key=rank)  # stable: the order within a rank (and within a module) is the collection's
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(module(item)))

@@ -10,6 +10,7 @@ copies what it needs first.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,6 +62,20 @@ class DemoRun:
         env.pop("RAY_ADDRESS", None)
         env.pop("RAY_AUTH_TOKEN", None)
         return env
+
+    def save(self, path: str) -> None:
+        """Its record, for the other pytest-xdist workers of the session (tests/integration/conftest.py)."""
+        out = self.process
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"storage_root": self.storage_root, "seconds": self.seconds, "args": out.args,
+                       "returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}, f)
+
+    @staticmethod
+    def load(path: str) -> DemoRun:
+        with open(path, encoding="utf-8") as f:
+            r = json.load(f)
+        return DemoRun(r["storage_root"], subprocess.CompletedProcess(r["args"], r["returncode"], r["stdout"],
+                                                                      r["stderr"]), r["seconds"])
 
     def command(self, *extra: str) -> list[str]:
         return [sys.executable, "-m", "raytrain.cli", "run", CONFIG, f"storage.root={self.storage_root}",

@@ -33,10 +33,23 @@ def ray_local():
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The quick start's run (tests/demo_run.py), once per session: its console for test_console_run, its enriched
-    and packed sample for the modules that would otherwise enrich the same sample again."""
-    from demo_run import run_demo
+    and packed sample for the modules that would otherwise enrich the same sample again. Under pytest-xdist the
+    first worker that asks runs it, in the folder all workers share, while the others wait on a file lock and then
+    read its record."""
+    from demo_run import DemoRun, run_demo
+    from filelock import FileLock
 
-    return run_demo(str(tmp_path_factory.mktemp("demo-runs")))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return run_demo(str(tmp_path_factory.mktemp("demo-runs")))
+    shared = tmp_path_factory.getbasetemp().parent / "demo-runs"  # this session's folder above each worker's own
+    with FileLock(f"{shared}.lock"):
+        record = shared / "demo_run.json"
+        if record.exists():
+            return DemoRun.load(str(record))
+        shared.mkdir(exist_ok=True)
+        demo = run_demo(str(shared))
+        demo.save(str(record))
+        return demo
 
 
 @pytest.fixture(scope="session")
