@@ -21,10 +21,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The order and the units of work for pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts): each module
-    is one group, so its module-scoped Ray and Spark start once on one worker. Integration modules come first, the
-    first one that needs the shared demo run (tests/demo_run.py) at the head so that run starts at once, the other
-    modules that read it after those that do not; the unit modules fill the workers' ends."""
+    """The order in which pytest-xdist hands out the modules (`-n 2 --dist loadfile --no-loadscope-reorder`,
+    pyproject's addopts: a module runs whole on one worker, so its module-scoped Ray and Spark start once).
+    Integration modules come first, the first one that needs the shared demo run (tests/demo_run.py) at the head so
+    that run starts at once, the other modules that read it after those that do not; the unit modules fill the
+    workers' ends."""
     def module(item) -> str:
         return os.path.relpath(str(item.fspath), ROOT)
 
@@ -43,5 +44,3 @@ def pytest_collection_modifyitems(config, items):
         return 2 if m in demo_modules_set else 1
 
     items.sort(key=rank)  # stable: the order within a rank (and within a module) is the collection's
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(module(item)))

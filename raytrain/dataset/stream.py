@@ -121,7 +121,7 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
     existing = json.loads(manifest_loc.read_text())
     if existing["data_hash"] != data_hash:
         raise RaytrainError(
-            f"{packed.uri} holds sequences packed with other data/enrich/dataset settings (hash "
+            f"{packed.uri} holds sequences packed with other input/enrich/dataset settings (hash "
             f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
             "Use a new storage.run_name, or the settings the run was started with.")
     log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)

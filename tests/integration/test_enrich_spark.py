@@ -286,14 +286,16 @@ def test_manifest_and_summary_written(out):
 
 
 def test_hand_off_packs_without_error(out, ray_local, tmp_path):
-    from raytrain.dataset.stream import pack_enriched
+    from raytrain.dataset.stream import load_packed, pack_enriched
 
     packed = pack_enriched(out.enriched_loc, resolve(str(tmp_path / "packed")), out.job.dataset, "h")
     held_out = packed.validation.num_real_tokens if packed.validation else 0  # the demo holds 5% out
     # every enriched row's tokens, in training or validation: nothing chunked, nothing cut, nothing lost
     assert packed.num_real_tokens + held_out == sum(r["num_tokens"] for r in out.enriched)
-    # the same enriched rows always give the same packs (Ray Data keeps the files' row order through packing)
-    again_packed = pack_enriched(out.enriched_loc, resolve(str(tmp_path / "packed-again")), out.job.dataset, "h")
+    # the same enriched rows always give the same packs (Ray Data keeps the files' row order through packing): the
+    # demo run packed them too, in its own process
+    again_packed = load_packed(RunPaths(out.run_root).packed, out.job.data_hash())
+    assert again_packed is not None
 
     def packs_of(data):  # every pack's columns; sorted, as the written files' names differ per write
         return sorted(row for p in data.files for row in pq.read_table(p).to_pandas().astype(str).values.tolist())
