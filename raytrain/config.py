@@ -508,7 +508,12 @@ class JobConfig:
         """Stable short hash of the sections that decide the data (``DATA_SECTIONS``): the enrich manifest and the
         packed set record it, and a run's checkpoints are only valid for one value of it."""
         tree = self.to_dict()
-        return _short_hash({k: tree[k] for k in DATA_SECTIONS})
+        sections = {k: tree[k] for k in DATA_SECTIONS}
+        # hashed under the input section's earlier name and field (data.input_path, RENAMED): runs made before the
+        # rename keep their enriched and packed data
+        legacy = dict(sections.pop("input"))
+        legacy["input_path"] = legacy.pop("path")
+        return _short_hash({"data": legacy, **sections})
 
 
 def _short_hash(tree: dict[str, Any]) -> str:

@@ -316,3 +316,10 @@ def test_a_config_file_with_the_old_data_section_is_refused_with_the_new_name(tm
     path.write_text("data:\n  input_path: sample\n")
     with pytest.raises(ConfigError, match=r"config key 'data' is now 'input'"):
         load_job_config(str(path))
+
+
+def test_data_hash_did_not_change_with_the_rename_of_data_to_input():
+    """Runs made before `data:` became `input:` keep their enriched and packed data: their manifests record this
+    hash, computed by the version before the rename (commit 78c03b2) for configs/demo.yaml."""
+    assert load_job_config(DEMO).data_hash() == "ab1427144956fd99"
+    assert load_job_config(DEMO, ["input.path=/mnt/x"]).data_hash() != "ab1427144956fd99"
