@@ -2,7 +2,7 @@
 
 The head advertises 1 CPU; the submitted training job needs 2 trainer workers (1 CPU each) plus a CPU for Ray Data's
 reads, so it can only run once the autoscaler has started fake worker nodes (extra raylets on this machine). After
-the job the idle nodes are removed again (idle_timeout_minutes: 0.1).
+the job the idle nodes are removed again (idle_timeout_minutes: 0.5).
 
 The head is `RAY_FAKE_CLUSTER=1 ray start --head --block --autoscaling-config=<copy of the YAML>`, the copy pointing
 the provider at this head's GCS port (the provider dials port 6379 otherwise). Teardown kills the processes of this
@@ -102,7 +102,7 @@ def test_job_needing_more_cpus_than_the_head_scales_up_and_completes(fake_cluste
     assert worker_kinds and worker_kinds <= {"raytrain_enrich", "raytrain_train"}, kinds_seen
     assert 2 <= max_nodes <= 1 + config["max_workers"]
 
-    # ...and removes them once idle (idle_timeout_minutes: 0.1)
+    # ...and removes them once idle (idle_timeout_minutes: 0.5)
     deadline = time.monotonic() + SCALE_DOWN_TIMEOUT_S
     while len(cluster.alive_nodes()) > 1:
         assert time.monotonic() < deadline, f"idle fake nodes still up after {SCALE_DOWN_TIMEOUT_S}s"
