@@ -32,15 +32,14 @@ def pytest_collection_modifyitems(config, items):
     def needs_demo(item) -> bool:
         return "demo_run" in getattr(item, "fixturenames", ())
 
-    demo_modules = [m for m in dict.fromkeys(module(i) for i in items if needs_demo(i))]
-    demo_modules_set = set(demo_modules)
+    demo_modules = list(dict.fromkeys(module(i) for i in items if needs_demo(i)))  # in collection order
 
     def rank(item) -> int:
         m = module(item)
         if "/integration/" not in f"/{m}":
             return 3
-        if demo_modules and m == demo_modules[0]:
-            return 0
-        return 2 if m in demo_modules_set else 1
+        if m in demo_modules:
+            return 0 if m == demo_modules[0] else 2
+        return 1
 
     items.sort(key=rank)  # stable: the order within a rank (and within a module) is the collection's
