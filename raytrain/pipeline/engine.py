@@ -66,12 +66,14 @@ class StageEngine:
         """Greedy continuations of ``num_prompts`` (<= micro_batch_size) prompts through the pipeline; the new token
         ids per prompt, the same on every rank.
 
-        The pipeline runs fixed (micro_batch_size, seq_len) shapes, so each new token costs one eval forward of the
-        whole micro-batch (no KV cache): prompts sit at the start of their row as one document (segment 0), the rest
-        is padding (segment -1), and causal attention makes the logits at a row's last token independent of what
-        follows. ``prompts``: on the data-reading stages (first and last), None elsewhere; world rank 0 (a first
-        stage) broadcasts their lengths, the last stage of replica 0 (DeepSpeed's grid names its rank) its argmax tokens, so
-        every replica and stage steps alike. A row stops at ``eos_id``, at ``max_new_tokens`` or at ``seq_len``.
+        Each new token costs one eval forward of the whole micro-batch (no KV cache) at one width: the longest
+        prompt plus ``max_new_tokens``, at most ``seq_len``. DeepSpeed's pipeline keeps the activation shape it
+        first sent between stages, so the shape is reset before generating and again after (training's
+        ``seq_len``). Prompts sit at the start of their row as one document (segment 0), the rest is padding
+        (segment -1), and causal attention makes the logits at a row's last token independent of what follows.
+        ``prompts``: on the data-reading stages (first and last), None elsewhere; world rank 0 (a first stage)
+        broadcasts their lengths, the last stage of replica 0 (DeepSpeed's grid names its rank) its argmax tokens,
+        so every replica and stage steps alike. A row stops at ``eos_id``, at ``max_new_tokens`` or at ``seq_len``.
         """
         import torch.distributed as dist
 
@@ -82,7 +84,7 @@ class StageEngine:
             lengths[:] = torch.tensor([len(p) for p in prompts[:num_prompts]], dtype=torch.long)
         dist.broadcast(lengths, src=0)
         cur = lengths.tolist()
-        ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        ids = torch.zeros(micro_batch_size, min(seq_len, max(cur) + max_new_tokens), dtype=torch.long)
         pos = torch.zeros_like(ids)
         seg = torch.full_like(ids, PAD_SEGMENT_ID)
         for r, n in enumerate(cur):
@@ -93,25 +95,29 @@ class StageEngine:
         labels = torch.full_like(ids, IGNORE_INDEX)  # no target: the loss is 0 and unused
         generated: list[list[int]] = [[] for _ in range(num_prompts)]
         done = [n >= seq_len for n in cur]
-        for _ in range(max_new_tokens):
-            if all(done):
-                break
-            batch = ((ids.clone(), pos.clone(), seg.clone()), (labels, torch.tensor(0.0)))
-            _, logits = self.engine.eval_batch(iter([batch]) if prompts is not None else None, return_logits=True,
-                                               bcast_loss=False, num_micro_batches=1)
-            tokens = torch.zeros(num_prompts, dtype=torch.long, device=device)
-            if self.stage == self.num_stages - 1:  # (micro_batch_size, seq_len, vocab) on the last stage only
-                tokens[:] = torch.stack([logits[r, cur[r] - 1].argmax() for r in range(num_prompts)])
-            dist.broadcast(tokens, src=src_rank)
-            for r, token in enumerate(tokens.tolist()):
-                if done[r]:
-                    continue
-                generated[r].append(token)
-                if token == eos_id or len(generated[r]) >= max_new_tokens or cur[r] >= seq_len:
-                    done[r] = True
-                    continue
-                ids[r, cur[r]], pos[r, cur[r]], seg[r, cur[r]] = token, cur[r], 0
-                cur[r] += 1
+        self.engine.reset_activation_shape()
+        try:
+            for _ in range(max_new_tokens):
+                if all(done):
+                    break
+                batch = ((ids.clone(), pos.clone(), seg.clone()), (labels, torch.tensor(0.0)))
+                _, logits = self.engine.eval_batch(iter([batch]) if prompts is not None else None,
+                                                   return_logits=True, bcast_loss=False, num_micro_batches=1)
+                tokens = torch.zeros(num_prompts, dtype=torch.long, device=device)
+                if self.stage == self.num_stages - 1:  # (micro_batch_size, width, vocab) on the last stage only
+                    tokens[:] = torch.stack([logits[r, cur[r] - 1].argmax() for r in range(num_prompts)])
+                dist.broadcast(tokens, src=src_rank)
+                for r, token in enumerate(tokens.tolist()):
+                    if done[r]:
+                        continue
+                    generated[r].append(token)
+                    if token == eos_id or len(generated[r]) >= max_new_tokens or cur[r] >= seq_len:
+                        done[r] = True
+                        continue
+                    ids[r, cur[r]], pos[r, cur[r]], seg[r, cur[r]] = token, cur[r], 0
+                    cur[r] += 1
+        finally:
+            self.engine.reset_activation_shape()
         return generated
 
     def lr(self) -> float:

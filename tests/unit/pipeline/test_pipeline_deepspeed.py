@@ -343,8 +343,8 @@ def test_eval_loss_is_the_token_mean_over_the_whole_validation_set(gloo_group, h
 
 
 def test_greedy_generation_through_the_pipeline_equals_transformers_generate(gloo_group, hf_dir):
-    """StageEngine.greedy_generate (fixed-shape eval forwards, one token each, prompts of different lengths padded
-    in one micro-batch) gives transformers' greedy ``generate`` tokens for each prompt."""
+    """StageEngine.greedy_generate (one eval forward per token, 13 wide where seq_len is 16, prompts of different
+    lengths padded in one micro-batch) gives transformers' greedy ``generate`` tokens for each prompt."""
     from raytrain.pipeline.engine import StageEngine
 
     generator = torch.Generator().manual_seed(5)
