@@ -265,7 +265,18 @@ def optimizer_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def init_distributed(backend: str) -> None:
-    """Reuse the process group Ray Train created (gloo on CPU, nccl on GPU); DeepSpeed wraps it."""
+    """Reuse the process group Ray Train created (gloo on CPU, nccl on GPU); DeepSpeed wraps it.
+
+    DeepSpeed's shared-memory all-reduce op is left unbuilt: only its inference engine calls it, and on a CPU
+    machine DeepSpeed would compile it (C++, 25-45 s) at the first launch, under a file lock that a worker killed
+    mid-build leaves for every later launch to wait on. Marking the op incompatible in the dict DeepSpeed consults
+    (``deepspeed.ops.__compatible_ops__``) makes its backend skip it; training's collectives go through the
+    process group either way."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
     deepspeed.init_distributed(dist_backend=backend)
 
 

@@ -54,11 +54,12 @@ def _worker(rank: int, port: int, hf_dir: str, save_dir: str, result_dir: str, l
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     import deepspeed
 
+    from raytrain.pipeline.engine import init_distributed
     from raytrain.pipeline.hf_io import load_hf_into_stage
     from raytrain.pipeline.model import hf_prefix
     from raytrain.pipeline.module import build_pipeline_module, stage_range
 
-    deepspeed.init_distributed("gloo")
+    init_distributed("gloo")
     module = build_pipeline_module(CFG, num_stages=2, seed=1, **({"partition_method": lora} if lora else {}))
     load_hf_into_stage(module, hf_dir)
     if lora:

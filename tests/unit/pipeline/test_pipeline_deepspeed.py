@@ -43,7 +43,9 @@ def gloo_group():
     os.environ.update(env)
     created = not torch.distributed.is_initialized()
     if created:
-        deepspeed.init_distributed("gloo")
+        from raytrain.pipeline.engine import init_distributed
+
+        init_distributed("gloo")  # raytrain's, as the trainer workers call it
     yield
     if created:
         torch.distributed.destroy_process_group()
@@ -340,6 +342,15 @@ def test_eval_loss_is_the_token_mean_over_the_whole_validation_set(gloo_group, h
                        for ids, labels in hf_batches)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert all(torch.equal(before[name], tensor) for name, tensor in stage_state(module).items())
+
+
+def test_deepspeed_backend_has_no_shared_memory_op(gloo_group):
+    """raytrain's init_distributed leaves DeepSpeed's shared-memory all-reduce op unbuilt (DeepSpeed would compile it
+    at a CPU machine's first launch); the engines of this module train and evaluate through the gloo group."""
+    from deepspeed.comm import comm as ds_comm
+
+    assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None
+    assert not hasattr(torch.ops.deepspeed, "inference_all_reduce_")
 
 
 def test_greedy_generation_through_the_pipeline_equals_transformers_generate(gloo_group, hf_dir):
