@@ -2,24 +2,17 @@
 vs bare ``encode`` in one process, and retrieval rows/s with exact search vs the faiss HNSW index, with recall@k.
 Prints figures; never asserts.
 
-    python benchmarks/bench_corpus.py [--sentences 100000] [--bare-sentences 10000] [--search-sentences 100000]
+    python benchmarks/bench_corpus.py [--sentences 100000] [--bare-sentences 0] [--search-sentences 100000]
                                       [--queries 2000] [--out DIR]
 
 The corpus is generated (documents of 10 sentences from a fixed vocabulary, rng seeded), the queries are
 question/answer pairs written about random corpus sentences, as rows of a domain dataset would be. Embedding in
 Spark goes through raytrain.enrich.corpus_table.ensure_table (1 executor x 1 core on this machine, Ray CPUs as in
-the demo); bare ``encode`` runs in this process on the same number of threads, on --bare-sentences of the same
-sentences. Run it when the machine is quiet and read the load average it prints.
+the demo); bare ``encode`` runs in this process on the same number of threads, on the same sentences (or the first
+--bare-sentences), once before and once after Spark, so the machine's drift shows. Run it when the machine is quiet
+and read the load average it prints.
 
-Note (2026-12-04, 2-core machine shared with another engineer's Ray/Spark tests, load average 4-8):
-``--sentences 10000 --bare-sentences 2000 --search-sentences 100000 --queries 2000``
-- embedding: Spark 10,000 sentences in 215.6 s = 46 sentences/s (split, collapse, embed, write; 1 executor x 1
-  core, Spark already started); bare ``encode`` 2,000 in 20.9 s = 96 sentences/s on 1 thread: Spark / bare 0.48.
-  At these rates 100,000 sentences take ~36 min in Spark on one core (~17 min bare), which is why the 100k
-  search corpus below is the 10,000 real embeddings plus 90,000 noisy copies (cos ~0.93 to their original).
-- search over 100,000 sentences, 2,000 rows, top-3: exact 277 rows/s, HNSW 2,997 rows/s (index built in 26.1 s),
-  recall@3 1.000 against exact; with the exact rescoring of the kept sentences: exact 227 rows/s, approximate
-  2,987 rows/s.
+Figures of earlier runs: benchmarks/RESULTS.md, "Corpus embedding in Spark against bare encode".
 """
 
 from __future__ import annotations
@@ -54,6 +47,9 @@ def _sentence(r: random.Random) -> tuple[str, tuple[str, str, str, str]]:
             f"for matters above {n} thousand crowns."), parts
 
 
+WARM_UP_SENTENCES = 256
+
+
 def write_corpus(path: str, sentences: int, seed: int = 0) -> list[tuple[str, tuple]]:
     r = random.Random(seed)
     out = [_sentence(r) for _ in range(sentences)]
@@ -66,7 +62,8 @@ def write_corpus(path: str, sentences: int, seed: int = 0) -> list[tuple[str, tu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=100_000)
-    parser.add_argument("--bare-sentences", type=int, default=10_000, help="sentences for the bare encode baseline")
+    parser.add_argument("--bare-sentences", type=int, default=0,
+                        help="sentences for the bare encode baseline (0: as many as --sentences)")
     parser.add_argument("--search-sentences", type=int, default=100_000,
                         help="corpus size for the search figures; above --sentences the embedded table is extended "
                              "with noisy copies of its vectors (renormalized), since embedding 100,000 sentences "
@@ -106,12 +103,30 @@ def main() -> None:
                            f"enrich.context_corpus=[{corpus_path}]"])
     cfg = job.enrich
     files = check_corpus(cfg.context_corpus, cfg.corpus_id_field, cfg.corpus_text_field)
+    warm_path = os.path.join(args.out, "warm-up.jsonl")  # another corpus (another table key), 256 sentences
+    write_corpus(warm_path, WARM_UP_SENTENCES, seed=1)
+    warm_files = check_corpus([warm_path], cfg.corpus_id_field, cfg.corpus_text_field)
     run_root = resolve(os.path.join(args.out, "runs", f"bench-{time.time_ns()}"))  # fresh: embed, not reuse
     figures: dict = {"sentences": args.sentences, "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg()}
 
+    torch.set_num_threads(cfg.num_executors * cfg.executor_cores)  # the cores Spark's executors have
+    model = load_embedder(cfg.embedding_model or None)
+    bare = [s for s, _ in sentences[: args.bare_sentences or args.sentences]]
+    embed_texts(bare[:256], model)  # warm
+
+    def bare_encode_s() -> float:
+        t0 = time.perf_counter()
+        embed_texts(bare, model, cfg.embed_batch_size)
+        return time.perf_counter() - t0
+
+    figures["bare_encode_before_s"] = bare_encode_s()  # before and after Spark: the machine's drift shows
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
     try:
         with spark_session(cfg, app_name="bench-corpus") as spark:
+            # first use of the session: Python workers start, each loads the model, the JVM warms up
+            t0 = time.perf_counter()
+            ensure_table(spark, warm_files, cfg, resolve(f"{run_root.path}-warm-up"))
+            figures["spark_first_use_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             folder, meta, reused = ensure_table(spark, files, cfg, run_root)
             figures["spark_embed_s"] = time.perf_counter() - t0
@@ -121,19 +136,19 @@ def main() -> None:
     figures["load_avg_after_spark"] = os.getloadavg()
     print(f"Spark embedding: {meta['sentences']} sentences in {figures['spark_embed_s']:.1f} s "
           f"= {meta['sentences'] / figures['spark_embed_s']:.0f} sentences/s (split, collapse, embed, write; "
-          f"{cfg.num_executors} executor x {cfg.executor_cores} core)", flush=True)
+          f"{cfg.num_executors} executor x {cfg.executor_cores} core), after the session's first table "
+          f"({WARM_UP_SENTENCES} sentences: Python workers, model load) in {figures['spark_first_use_s']:.1f} s",
+          flush=True)
 
-    torch.set_num_threads(cfg.num_executors * cfg.executor_cores)  # the cores Spark's executors had
-    model = load_embedder(cfg.embedding_model or None)
-    bare = [s for s, _ in sentences[: args.bare_sentences]]
-    embed_texts(bare[:256], model)  # warm
-    t0 = time.perf_counter()
-    embed_texts(bare, model, cfg.embed_batch_size)
-    figures["bare_encode_s"] = time.perf_counter() - t0
+    figures["bare_encode_after_s"] = bare_encode_s()
+    figures["bare_encode_s"] = (figures["bare_encode_before_s"] + figures["bare_encode_after_s"]) / 2
     bare_rate = len(bare) / figures["bare_encode_s"]
     spark_rate = meta["sentences"] / figures["spark_embed_s"]
-    print(f"bare encode: {len(bare)} sentences in {figures['bare_encode_s']:.1f} s = {bare_rate:.0f} sentences/s; "
-          f"Spark / bare = {spark_rate / bare_rate:.2f}", flush=True)
+    print(f"bare encode: {len(bare)} sentences in {figures['bare_encode_s']:.1f} s = {bare_rate:.0f} sentences/s "
+          f"(mean of {figures['bare_encode_before_s']:.1f} s before Spark and {figures['bare_encode_after_s']:.1f} s "
+          f"after); Spark / bare = {spark_rate / bare_rate:.2f} (with the first table's time added to Spark's: "
+          f"{meta['sentences'] / (figures['spark_embed_s'] + figures['spark_first_use_s']) / bare_rate:.2f})",
+          flush=True)
 
     index = load_corpus_index(folder, meta["key"], set(), cfg.decontam_ngram, exact_max=10**12)  # exact
     r = random.Random(1)
