@@ -103,7 +103,7 @@ def main() -> None:
                            f"enrich.context_corpus=[{corpus_path}]"])
     cfg = job.enrich
     files = check_corpus(cfg.context_corpus, cfg.corpus_id_field, cfg.corpus_text_field)
-    warm_path = os.path.join(args.out, "warm-up.jsonl")  # another corpus (another table key), 256 sentences
+    warm_path = os.path.join(args.out, "warm-up.jsonl")  # another corpus, so another table key
     write_corpus(warm_path, WARM_UP_SENTENCES, seed=1)
     warm_files = check_corpus([warm_path], cfg.corpus_id_field, cfg.corpus_text_field)
     run_root = resolve(os.path.join(args.out, "runs", f"bench-{time.time_ns()}"))  # fresh: embed, not reuse
