@@ -66,7 +66,8 @@ class _OpenPack:
     num_tokens: int = 0
 
 
-def _build_pack(segments: list[tuple[str, Sequence[int], Sequence[bool]]], seq_len: int, pad_id: int) -> Pack:
+def build_pack(segments: list[tuple[str, Sequence[int], Sequence[bool]]], seq_len: int, pad_id: int) -> Pack:
+    """One pack of exactly ``seq_len`` tokens from its ``(doc_id, input_ids, loss_mask)`` segments (which fit)."""
     input_ids = np.full(seq_len, pad_id, dtype=np.int64)
     labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
     position_ids = np.zeros(seq_len, dtype=np.int64)
@@ -116,23 +117,23 @@ def pack_documents(
             chunk = (doc_id, ids[start : start + seq_len], mask[start : start + seq_len])
             num_tokens = len(chunk[1])
             if num_tokens == seq_len:  # a full chunk is a full pack: no need to hold it open
-                yield _build_pack([chunk], seq_len, pad_id)
+                yield build_pack([chunk], seq_len, pad_id)
                 continue
             target = next((p for p in open_packs if p.num_tokens + num_tokens <= seq_len), None)
             if target is None:
                 if len(open_packs) == max_open_packs:  # make room: the fullest pack wastes the least padding
                     fullest = max(open_packs, key=lambda p: p.num_tokens)
                     open_packs.remove(fullest)
-                    yield _build_pack(fullest.segments, seq_len, pad_id)
+                    yield build_pack(fullest.segments, seq_len, pad_id)
                 target = _OpenPack()
                 open_packs.append(target)
             target.segments.append(chunk)
             target.num_tokens += num_tokens
             if target.num_tokens == seq_len:
                 open_packs.remove(target)
-                yield _build_pack(target.segments, seq_len, pad_id)
+                yield build_pack(target.segments, seq_len, pad_id)
     for open_pack in open_packs:
-        yield _build_pack(open_pack.segments, seq_len, pad_id)
+        yield build_pack(open_pack.segments, seq_len, pad_id)
 
 
 PACK_COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids")

@@ -1,0 +1,168 @@
+"""DPO on packed pairs (raytrain.pipeline.dpo, raytrain.dataset.pair_pack) against TRL's DPOTrainer on transformers'
+MistralForCausalLM: the same pairs, TRL padded one sequence per row, ours packed several pairs per row."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from mistral_reference import hf_model, ours_from_hf
+
+from raytrain.dataset.labels import IGNORE_INDEX
+from raytrain.dataset.pair_pack import TokenizedPair, pack_pairs
+from raytrain.errors import ConfigError, RaytrainError
+from raytrain.pipeline.dpo import METRICS, DpoSettings, PackedPairs, micro_batch_loss, pair_logps
+from raytrain.pipeline.model import MistralConfig, hf_prefix
+
+trl = pytest.importorskip("trl")  # a test dependency (pyproject's [test] extra)
+from trl.trainer.dpo_trainer import DataCollatorForPreference  # noqa: E402
+
+CFG = MistralConfig.preset("tiny")
+SEQ_LEN, MAX_PAIRS = 40, 2
+# (prompt, chosen, rejected) lengths: three pairs that make two packs of SEQ_LEN (two pairs, then one)
+LENGTHS = [(5, 4, 6), (3, 7, 2), (6, 3, 3)]
+
+
+def random_pairs(seed: int = 1) -> list[TokenizedPair]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, CFG.vocab_size, (n,), generator=generator).tolist()
+
+    return [TokenizedPair(f"pair-{i}", ids(p), ids(c), ids(r)) for i, (p, c, r) in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A policy and a reference that differs from it (so rewards are not all 0), as HF models and as our layers."""
+    policy = hf_model(CFG, seed=0)
+    reference = copy.deepcopy(policy)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return policy, reference
+
+
+def packed(pairs: list[TokenizedPair]) -> PackedPairs:
+    rows = list(pack_pairs(pairs, SEQ_LEN, MAX_PAIRS))
+
+    def stack(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.stack([getattr(row.pack, name) for row in rows]))
+
+    return PackedPairs(labels=stack("labels"), segment_ids=stack("segment_ids"),
+                       pair_segments=torch.from_numpy(np.stack([row.pair_segments for row in rows])),
+                       ref_logps=torch.zeros(len(rows), MAX_PAIRS, 2)), stack("input_ids"), stack("position_ids")
+
+
+def ours_step(policy_hf, reference_hf, pairs, settings: DpoSettings):
+    """Our loss, metric means and gradients (by HF parameter name) for ``pairs`` as one batch."""
+    batch, input_ids, position_ids = packed(pairs)
+    reference = ours_from_hf(CFG, reference_hf)
+    with torch.no_grad():
+        batch.ref_logps, _ = pair_logps(reference((input_ids, position_ids, batch.segment_ids)), batch.labels,
+                                        batch.segment_ids, batch.pair_segments)
+    policy = ours_from_hf(CFG, policy_hf).train()
+    logits = policy((input_ids, position_ids, batch.segment_ids))
+    chosen_tokens = sum(len(p.chosen) for p in pairs)
+    loss, sums = micro_batch_loss(logits, batch, settings, pair_scale=1 / len(pairs), sft_scale=1 / chosen_tokens)
+    loss.backward()
+    grads = {hf_prefix(i, CFG) + name: param.grad for i, layer in enumerate(policy)
+             for name, param in layer.named_parameters()}
+    assert sums["pairs"] == len(pairs) and sums["tokens/chosen"] == chosen_tokens
+    return loss.detach(), {name: sums[name] / sums["pairs"] for name in METRICS}, grads
+
+
+def trl_step(policy_hf, reference_hf, pairs, settings: DpoSettings, tmp_path):
+    """TRL's loss, metrics and gradients for the same pairs: its own collator and DPOTrainer._compute_loss."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from raytrain.dataset.hf_tokenizer import save_hf_tokenizer
+
+    loss_types, weights = [settings.loss], [1.0]
+    if settings.sft_weight:
+        loss_types, weights = [settings.loss, "sft"], [1.0, settings.sft_weight]
+    # bf16=False: TRL's default would run the reference model under bf16 autocast (the policy not), off by ~1e-2
+    args = DPOConfig(output_dir=str(tmp_path), beta=settings.beta, loss_type=loss_types, loss_weights=weights,
+                     label_smoothing=settings.label_smoothing, report_to=[], use_cpu=True, bf16=False,
+                     pad_token="</s>")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(save_hf_tokenizer("v3", tmp_path / "tokenizer"))
+    trainer = DPOTrainer(model=copy.deepcopy(policy_hf), ref_model=copy.deepcopy(reference_hf), args=args,
+                         processing_class=tokenizer,  # the batch below is built from token ids; this text is unused
+                         train_dataset=Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]))
+    examples = [{"prompt_ids": list(p.prompt), "chosen_ids": list(p.chosen), "rejected_ids": list(p.rejected)}
+                for p in pairs]
+    trainer.model.train()
+    loss = trainer._compute_loss(trainer.model, DataCollatorForPreference(pad_token_id=0)(examples), False)
+    loss.backward()
+    metrics = {name: trainer._metrics["train"][name][-1] for name in METRICS}
+    return loss.detach(), metrics, {name: param.grad for name, param in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("settings", [DpoSettings(loss="sigmoid", beta=0.1),
+                                      DpoSettings(loss="sigmoid", beta=0.5, sft_weight=0.3),
+                                      DpoSettings(loss="ipo", beta=0.1),
+                                      DpoSettings(loss="robust", beta=0.2, label_smoothing=0.1)],
+                         ids=["sigmoid", "sigmoid+sft", "ipo", "robust"])
+def test_loss_rewards_and_gradients_equal_trl(models, settings, tmp_path):
+    pairs = random_pairs()
+    loss, metrics, grads = ours_step(*models, pairs, settings)
+    trl_loss, trl_metrics, trl_grads = trl_step(*models, pairs, settings, tmp_path)
+    torch.testing.assert_close(loss, trl_loss.float(), rtol=1e-4, atol=0)
+    for name in METRICS:
+        assert metrics[name] == pytest.approx(trl_metrics[name], rel=1e-4, abs=1e-6), name
+    assert set(grads) == set(trl_grads)
+    for name, grad in grads.items():  # relative to the tensor's norm: fp32 summation order differs element-wise
+        error = (grad - trl_grads[name]).norm() / trl_grads[name].norm()
+        assert error < 1e-4, f"{name}: gradient differs from TRL's by {error:.1e} of its norm"
+    assert metrics["rewards/chosen"] != 0  # the reference differs from the policy: the comparison is not 0 == 0
+
+
+def test_policy_equal_to_reference_gives_ln2_and_zero_rewards(models):
+    policy, _ = models
+    loss, metrics, _ = ours_step(policy, policy, random_pairs(), DpoSettings())
+    assert loss.item() == pytest.approx(math.log(2), rel=1e-6)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert metrics[name] == pytest.approx(0, abs=1e-6)
+    assert metrics["rewards/accuracies"] == 0  # chosen > rejected is strict: ties are not accurate (as in TRL)
+    assert metrics["logps/chosen"] < 0 and metrics["logps/rejected"] < 0
+
+
+def test_pairs_are_never_split_and_labels_cover_only_the_responses():
+    pairs = random_pairs()
+    rows = list(pack_pairs(pairs, SEQ_LEN, MAX_PAIRS))
+    assert [row.pair_ids for row in rows] == [["pair-0", "pair-1"], ["pair-2"]]
+    by_id = {pair.pair_id: pair for pair in pairs}
+    for row in rows:
+        pack = row.pack
+        for slot, pair_id in enumerate(row.pair_ids):
+            pair = by_id[pair_id]
+            for side, response in enumerate((pair.chosen, pair.rejected)):
+                where = pack.segment_ids == row.pair_segments[slot, side]
+                assert pack.input_ids[where].tolist() == list(pair.prompt) + list(response)
+                # the targets are the response's tokens, predicted from the token before each
+                targets = pack.labels[where]
+                assert targets[targets != IGNORE_INDEX].tolist() == list(response)
+        assert (row.pair_segments[len(row.pair_ids):] == -1).all()
+    assert sum(row.pack.num_real_tokens for row in rows) == sum(pair.num_tokens for pair in pairs)
+
+
+def test_a_pair_too_long_for_a_pack_is_refused_by_name():
+    long_pair = TokenizedPair("long", [1] * 10, [2] * 15, [3] * 10)
+    with pytest.raises(RaytrainError, match="pair 'long' takes 45 tokens .* > seq_len=40"):
+        list(pack_pairs([long_pair], SEQ_LEN, MAX_PAIRS))
+    with pytest.raises(RaytrainError, match="pair 'empty': a response has no tokens"):
+        list(pack_pairs([TokenizedPair("empty", [1], [], [3])], SEQ_LEN, MAX_PAIRS))
+
+
+def test_settings_refuse_what_has_no_effect():
+    with pytest.raises(ConfigError, match="label_smoothing=0.1 has no effect on the sigmoid loss; use "
+                                          "train.dpo.loss=robust"):
+        DpoSettings(label_smoothing=0.1)
+    with pytest.raises(ConfigError, match="train.dpo.loss must be one of sigmoid, ipo, robust"):
+        DpoSettings(loss="hinge")
+    with pytest.raises(ConfigError, match="beta must be > 0"):
+        DpoSettings(beta=0)
