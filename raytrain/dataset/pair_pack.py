@@ -13,28 +13,14 @@ decides about such pairs before packing, on the longer of the two sequences.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from raytrain.dataset.pack import Pack, build_pack
+from raytrain.dataset.tokenize import TokenizedPair
 from raytrain.errors import RaytrainError
-
-
-@dataclass(frozen=True)
-class TokenizedPair:
-    """One preference pair as token ids: the prompt once, each response as its continuation."""
-
-    pair_id: str
-    prompt: Sequence[int]
-    chosen: Sequence[int]
-    rejected: Sequence[int]
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the pair takes in a pack: the prompt twice and both responses."""
-        return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
 
 
 @dataclass

@@ -17,6 +17,10 @@ class Reason(StrEnum):
     EMPTY_ANSWER = "empty_answer"
     TOO_LONG = "too_long"
     TOO_MANY_TURNS = "too_many_turns"
+    # derive, preference pairs only (raytrain.enrich.preference)
+    MISSING_RESPONSE = "missing_response"
+    BAD_PREFERENCE = "bad_preference"
+    TIE = "tie"
     # the steps after derive, in the order they decide (raytrain.enrich.batches and passes; the length policy)
     LICENSE = "license"
     EXACT_DUPLICATE = "exact_duplicate"

@@ -94,6 +94,21 @@ class TokenizedConversation:
         return len(self.input_ids)
 
 
+@dataclass(frozen=True)
+class TokenizedPair:
+    """One preference pair as token ids: the prompt once, each response as its continuation (``tokenize_pair``)."""
+
+    pair_id: str
+    prompt: Sequence[int]
+    chosen: Sequence[int]
+    rejected: Sequence[int]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the pair takes in a pack: the prompt twice and both responses."""
+        return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
+
+
 def load_tokenizer(version: str = "v3") -> MistralTokenizer:
     """Load the real Mistral tokenizer ``version`` ("v1" or "v3") from mistral-common's shipped files.
 
@@ -339,3 +354,21 @@ def tokenize_conversation(
                 f"encode_chat_completion ({len(reference)} tokens); the span logic needs updating."
             )
     return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask)
+
+
+def tokenize_pair(pair_id: str, prompt: Sequence[dict[str, Any]], chosen: str, rejected: str,
+                  tokenizer: MistralTokenizer, *, verify: bool = True) -> TokenizedPair:
+    """Encode a preference pair: ``prompt`` (turns ending with a user turn) followed by each response as the final
+    assistant turn. ``prompt + chosen`` is mistral-common's ``encode_chat_completion`` of that conversation (checked
+    with ``verify``, as ``tokenize_conversation``); the response is its final assistant turn, end-of-sequence token
+    included. Raises AssertionError when the prompt's tokens differ between the two (a bug here)."""
+    sides = []
+    for response in (chosen, rejected):
+        conversation = tokenize_conversation([*prompt, {"role": "assistant", "content": response, "tool_calls": []}],
+                                             tokenizer, verify=verify)
+        mask = conversation.loss_mask
+        start = len(mask) - next(i for i, trained in enumerate(reversed(mask)) if not trained)
+        sides.append((conversation.input_ids[:start], conversation.input_ids[start:]))
+    if sides[0][0] != sides[1][0]:
+        raise AssertionError(f"pair {pair_id!r}: the prompt encodes to different tokens before the two responses.")
+    return TokenizedPair(pair_id=pair_id, prompt=sides[0][0], chosen=sides[0][1], rejected=sides[1][1])

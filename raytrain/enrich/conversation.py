@@ -85,13 +85,13 @@ class Quarantined:
     """Human-readable specifics: which message, which character, how long."""
 
 
-def _is_missing(value: Any) -> bool:
+def is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def _as_list(value: Any) -> list | None:
+def as_list(value: Any) -> list | None:
     """Lists, tuples and numpy arrays (what pandas gives for Arrow list columns) as a list; None otherwise."""
-    if _is_missing(value):
+    if is_missing(value):
         return None
     if isinstance(value, list | tuple):
         return list(value)
@@ -100,9 +100,9 @@ def _as_list(value: Any) -> list | None:
     return None
 
 
-def _text(value: Any, where: str) -> str:
+def message_text(value: Any, where: str) -> str:
     """A message string: None -> "", bytes decoded strictly, anything else not a str is undecodable."""
-    if _is_missing(value):
+    if is_missing(value):
         return ""
     if isinstance(value, bytes):
         try:
@@ -119,9 +119,9 @@ def _text(value: Any, where: str) -> str:
 
 
 def _normalize_tool_calls(value: Any, where: str) -> list[dict]:
-    calls = _as_list(value)
+    calls = as_list(value)
     if calls is None:
-        if _is_missing(value):
+        if is_missing(value):
             return []
         raise ConversationError(BAD_ROLE, f"{where}.tool_calls is a {type(value).__name__}, not a list")
     out = []
@@ -131,15 +131,15 @@ def _normalize_tool_calls(value: Any, where: str) -> list[dict]:
         fn = call.get("function")
         fn = fn if isinstance(fn, Mapping) else {}
         args = fn.get("arguments")
-        if not _is_missing(args) and not isinstance(args, str | bytes):
+        if not is_missing(args) and not isinstance(args, str | bytes):
             args = json.dumps(args, sort_keys=True, ensure_ascii=False)  # some exports keep arguments as objects
         out.append(
             {
-                "id": _text(call.get("id"), f"{where}.tool_calls[{j}].id"),
-                "type": _text(call.get("type"), f"{where}.tool_calls[{j}].type") or "function",
+                "id": message_text(call.get("id"), f"{where}.tool_calls[{j}].id"),
+                "type": message_text(call.get("type"), f"{where}.tool_calls[{j}].type") or "function",
                 "function": {
-                    "name": _text(fn.get("name"), f"{where}.tool_calls[{j}].function.name"),
-                    "arguments": _text(args, f"{where}.tool_calls[{j}].function.arguments"),
+                    "name": message_text(fn.get("name"), f"{where}.tool_calls[{j}].function.name"),
+                    "arguments": message_text(args, f"{where}.tool_calls[{j}].function.arguments"),
                 },
             }
         )
@@ -160,7 +160,7 @@ def render_message_text(message: dict) -> str:
     return "\n".join(parts)
 
 
-def _normalize_messages(raw: list) -> list[dict]:
+def normalize_messages(raw: list) -> list[dict]:
     """Roles already checked by check_roles; content and tool calls made uniform (see Example.messages)."""
     messages = []
     for i, m in enumerate(raw):
@@ -168,7 +168,7 @@ def _normalize_messages(raw: list) -> list[dict]:
         messages.append(
             {
                 "role": m["role"],
-                "content": _text(m.get("content"), f"{where}.content"),
+                "content": message_text(m.get("content"), f"{where}.content"),
                 "tool_calls": _normalize_tool_calls(m.get("tool_calls"), where),
             }
         )
@@ -186,7 +186,7 @@ def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS
     tool-call arguments together above ``max_chars`` characters).
     """
     uuid = row.get("uuid")
-    if _is_missing(uuid) or not isinstance(uuid, str) or not uuid.strip():
+    if is_missing(uuid) or not isinstance(uuid, str) or not uuid.strip():
         return Quarantined(None, MISSING_UUID, f"uuid is {uuid!r}")
     if _BAD_TEXT.search(uuid):  # an id that cannot be written as UTF-8 cannot be recorded either: keep it escaped
         return Quarantined(uuid.encode("utf-8", "backslashreplace").decode("ascii", "replace"), UNDECODABLE_TEXT,
@@ -195,15 +195,15 @@ def derive_example(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS
         value = row.get(name)
         if isinstance(value, str) and _BAD_TEXT.search(value):
             return Quarantined(uuid, UNDECODABLE_TEXT, f"{name} holds surrogate or control characters")
-    raw = _as_list(row.get("messages"))
+    raw = as_list(row.get("messages"))
     if not raw:
-        return Quarantined(uuid, MISSING_MESSAGES, f"messages is {_short_repr(row.get('messages'))}")
+        return Quarantined(uuid, MISSING_MESSAGES, f"messages is {short_repr(row.get('messages'))}")
     if len(raw) > max_turns:  # before any per-message work: its cost grows with the turns
         return Quarantined(uuid, TOO_MANY_TURNS, TOO_MANY_TURNS_DETAIL.format(turns=len(raw), max_turns=max_turns))
     try:
         # bad_role before undecodable_text: a role check needs no text, and wrong structure is the root cause
         check_roles(raw)
-        messages = _normalize_messages(raw)
+        messages = normalize_messages(raw)
         check_conversation(messages)  # the rules the tokenizer checks too: order, tool turns, the final turn
         num_chars = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m["tool_calls"])
                         for m in messages)
@@ -235,6 +235,6 @@ def _plain(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _short_repr(value: Any) -> str:
+def short_repr(value: Any) -> str:
     r = repr(value)
     return r if len(r) <= 60 else r[:57] + "..."

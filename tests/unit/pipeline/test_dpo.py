@@ -11,7 +11,8 @@ import transformers
 from mistral_reference import hf_model, ours_from_hf
 
 from raytrain.dataset.labels import IGNORE_INDEX
-from raytrain.dataset.pair_pack import TokenizedPair, pack_pairs
+from raytrain.dataset.pair_pack import pack_pairs
+from raytrain.dataset.tokenize import TokenizedPair
 from raytrain.errors import ConfigError, RaytrainError
 from raytrain.pipeline.dpo import METRICS, DpoSettings, PackedPairs, micro_batch_loss, pair_logps
 from raytrain.pipeline.model import MistralConfig, hf_prefix
