@@ -196,3 +196,29 @@ def micro_batch_loss(logits: torch.Tensor, pairs: PackedPairs, settings: DpoSett
     sums["pairs"] = float(chosen_logps.shape[0])
     sums["tokens/chosen"] = chosen_tokens.sum().item()
     return loss, sums
+
+
+class DpoLoss:
+    """The pipeline's loss function for DPO (``build_pipeline_module(loss_fn=DpoLoss(settings))``), on the last stage.
+
+    A micro-batch's labels are ``(labels, segment_ids, pair_segments, ref_logps, scales)`` as
+    ``raytrain.trainer.feed.to_pair_micro_batch`` makes them, ``scales`` = [pair_scale, sft_scale]. Each call adds
+    its micro-batch's metric sums to ``sums``; ``take_sums`` hands them over (and starts again) after a training
+    step or an evaluation, for the loop to add up over dp and report as means."""
+
+    def __init__(self, settings: DpoSettings) -> None:
+        self.settings = settings
+        self.sums: dict[str, float] = {}
+
+    def __call__(self, logits: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        targets, segment_ids, pair_segments, ref_logps, scales = labels
+        loss, sums = micro_batch_loss(logits, PackedPairs(targets, segment_ids, pair_segments, ref_logps),
+                                      self.settings, pair_scale=scales[0].to(logits.device),
+                                      sft_scale=scales[1].to(logits.device))
+        for name, value in sums.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        return loss
+
+    def take_sums(self) -> dict[str, float]:
+        sums, self.sums = self.sums, {}
+        return sums

@@ -8,7 +8,10 @@ pipeline layers a stage owns before any process group exists.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing
@@ -63,7 +66,8 @@ def stage_layer_ranges(cfg: MistralConfig, num_stages: int,
 def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
                           partition_method: str = DEFAULT_PARTITION_METHOD, activation_checkpoint_interval: int = 0,
                           seed: int = 0, attn_impl: str = "dense",
-                          activation_checkpoint_reentrant: bool = False) -> PipelineModule:
+                          activation_checkpoint_reentrant: bool = False,
+                          loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] = causal_lm_loss) -> PipelineModule:
     """The Mistral PipelineModule for this process's stage (needs ``deepspeed.init_distributed`` first).
 
     Layers are LayerSpecs, so a process only allocates its own stage. Each layer draws its init from
@@ -74,6 +78,8 @@ def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
     decoder layers, with DeepSpeed's non-reentrant checkpoint (torch's recommended form: no re-entry into autograd,
     inputs need not require grad) unless ``activation_checkpoint_reentrant``, DeepSpeed's classic reentrant one
     (which would cut the embedding off from its gradient: its inputs are integer ids).
+    ``loss_fn`` runs on the last stage on (logits, the micro-batch's labels): the fine-tune's token loss by default,
+    ``raytrain.pipeline.dpo.DpoLoss`` for preference training.
     """
     stage_layer_ranges(cfg, num_stages, partition_method)  # validates before any process-group work
     if topology is not None and topology.get_dim("pipe") != num_stages:
@@ -86,7 +92,7 @@ def build_pipeline_module(cfg: MistralConfig, num_stages: int, *, topology=None,
         layers=specs,
         num_stages=None if topology is not None else num_stages,
         topology=topology,
-        loss_fn=causal_lm_loss,
+        loss_fn=loss_fn,
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
         activation_checkpoint_func=(checkpointing.checkpoint if activation_checkpoint_reentrant

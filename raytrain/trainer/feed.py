@@ -71,6 +71,22 @@ def to_micro_batch(batch: dict[str, np.ndarray], loss_scale: float) -> MicroBatc
     return (ids, pos, seg), (labels, torch.tensor(loss_scale, dtype=torch.float32))
 
 
+PAIR_COLUMNS = ("pair_segments", "ref_logps")
+"""A preference pack's pair table beside MODEL_COLUMNS: (max_pairs * 2,) int64 segment numbers of each pair's
+chosen and rejected sequence (-1 for an empty slot) and float32 reference log-probabilities of the same."""
+
+
+def to_pair_micro_batch(batch: dict[str, np.ndarray], pair_scale: float, sft_scale: float):
+    """A micro-batch of preference packs for ``raytrain.pipeline.dpo.DpoLoss``: the inputs as ``to_micro_batch``'s,
+    labels ``(labels, segment_ids, pair_segments (B, P, 2), ref_logps (B, P, 2), [pair_scale, sft_scale])``."""
+    (ids, pos, seg), (labels, _) = to_micro_batch(batch, 0.0)
+    pairs = torch.from_numpy(np.array(_column(batch, "pair_segments"), dtype=np.int64, copy=True))
+    ref = torch.from_numpy(np.array(_column(batch, "ref_logps"), dtype=np.float32, copy=True))
+    rows = ids.shape[0]
+    return (ids, pos, seg), (labels, seg, pairs.view(rows, -1, 2), ref.view(rows, -1, 2),
+                             torch.tensor([pair_scale, sft_scale], dtype=torch.float32))
+
+
 def epoch_order(num_packs: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
     """Pack indices of epoch ``epoch`` in training order: a permutation drawn from (seed, epoch) when shuffling, the
     written order otherwise. A pure function of its arguments: every stage and replica computes the same order, and

@@ -167,3 +167,58 @@ def test_settings_refuse_what_has_no_effect():
         DpoSettings(loss="hinge")
     with pytest.raises(ConfigError, match="beta must be > 0"):
         DpoSettings(beta=0)
+
+
+def test_a_deepspeed_step_over_two_micro_batches_equals_trl_on_the_global_batch(gloo_group, models, tmp_path):
+    """The pairs of one global batch in two micro-batches of one pack each (2 pairs, then 1), through the real
+    DeepSpeed pipeline engine with DpoLoss and the training feed's scales: the step's loss, gradients and metrics
+    are TRL's over all three pairs (a mean over pairs, not a mean of the micro-batches' means)."""
+    import deepspeed
+
+    from raytrain.pipeline.dpo import DpoLoss
+    from raytrain.pipeline.hf_io import load_hf_into_stage
+    from raytrain.pipeline.module import build_pipeline_module
+    from raytrain.trainer.feed import to_pair_micro_batch
+
+    policy_hf, reference_hf = models
+    settings = DpoSettings(loss="sigmoid", beta=0.3, sft_weight=0.2)
+    pairs = random_pairs()
+    batch, input_ids, position_ids = packed(pairs)
+    with torch.no_grad():
+        ref_logps, _ = pair_logps(ours_from_hf(CFG, reference_hf)((input_ids, position_ids, batch.segment_ids)),
+                                  batch.labels, batch.segment_ids, batch.pair_segments)
+    accumulation = 2  # m; dp = 1
+    pair_scale = accumulation / len(pairs)  # dp * m / pairs of the global batch
+    sft_scale = accumulation / sum(len(p.chosen) for p in pairs)  # dp * m / chosen tokens of the global batch
+    feed = [to_pair_micro_batch({"input_ids": input_ids[i:i + 1].numpy(), "position_ids": position_ids[i:i + 1].numpy(),
+                                 "segment_ids": batch.segment_ids[i:i + 1].numpy(), "labels": batch.labels[i:i + 1].numpy(),
+                                 "pair_segments": batch.pair_segments[i:i + 1].reshape(1, -1).numpy(),
+                                 "ref_logps": ref_logps[i:i + 1].reshape(1, -1).numpy()}, pair_scale, sft_scale)
+            for i in range(accumulation)]
+    hf_dir = tmp_path / "policy"
+    policy_hf.save_pretrained(hf_dir)
+    loss_fn = DpoLoss(settings)
+    module = build_pipeline_module(CFG, num_stages=1, loss_fn=loss_fn)
+    load_hf_into_stage(module, hf_dir)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "gradient_clipping": 0.0, "steps_per_print": 10_000}
+    engine, _, _, _ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
+    names = {id(p): hf_prefix(i, CFG) + n for i, layer in enumerate(module.forward_funcs)
+             for n, p in layer.named_parameters()}
+    grads: dict[str, torch.Tensor] = {}
+    engine.optimizer.register_step_pre_hook(
+        lambda optimizer, _a, _k: grads.update({names[id(p)]: p.grad.detach().clone()
+                                                for group in optimizer.param_groups for p in group["params"]}))
+    loss = float(engine.train_batch(data_iter=iter(feed)))
+    sums = loss_fn.take_sums()
+
+    trl_loss, trl_metrics, trl_grads = trl_step(policy_hf, reference_hf, pairs, settings, tmp_path)
+    assert loss == pytest.approx(float(trl_loss), rel=1e-5)
+    assert sums["pairs"] == len(pairs) and loss_fn.sums == {}
+    for name in METRICS:
+        assert sums[name] / sums["pairs"] == pytest.approx(trl_metrics[name], rel=1e-4, abs=1e-6), name
+    for name, grad in grads.items():
+        error = (grad - trl_grads[name]).norm() / trl_grads[name].norm()
+        assert error < 1e-4, f"{name}: gradient differs from TRL's by {error:.1e} of its norm"
+    assert set(grads) == set(trl_grads)

@@ -4,7 +4,6 @@ transformers + torch.optim.AdamW, and the Hugging Face import/export round trips
 import copy
 import os
 import shutil
-import socket
 
 import mistral_common
 import numpy as np
@@ -27,33 +26,6 @@ MICRO_BATCH_SIZE, GRAD_ACCUM, SEQ_LEN = 2, 2, 16
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 V3_TOKENIZER = os.path.join(os.path.dirname(mistral_common.__file__), "data",
                             "mistral_instruct_tokenizer_240323.model.v3")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def gloo_group():
-    """One single-process gloo group for the whole module (DeepSpeed picks its CPU accelerator without a GPU)."""
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    created = not torch.distributed.is_initialized()
-    if created:
-        from raytrain.pipeline.engine import init_distributed
-
-        init_distributed("gloo")  # raytrain's, as the trainer workers call it
-    yield
-    if created:
-        torch.distributed.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def hf_reference(seed: int = 0) -> transformers.MistralForCausalLM:
