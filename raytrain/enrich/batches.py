@@ -132,15 +132,25 @@ def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str],
                           detail=result.detail)
         for name in PREPARED.names:
             out[name].append(values[name])
-    if texts:
-        sigs = np.stack([minhash_signature(t, num_perm=num_perm, ngram=shingle_chars) for t in texts])  # (K, P)
-        keys = lsh_band_keys(sigs, bands, rows)  # (K, B)
-        matched = contamination_counts(texts, eval_index, ngram)
-        ok = [i for i, status in enumerate(out["status"]) if status == OK]
-        for j, i in enumerate(ok):
-            out["signature"][i], out["band_keys"][i], out["eval_ngrams"][i] = sigs[j].tobytes(), keys[j].tolist(), \
-                matched[j]
+    fill_dedup_columns(out, texts, num_perm=num_perm, bands=bands, rows=rows, shingle_chars=shingle_chars,
+                       eval_index=eval_index, ngram=ngram)
     return pd.DataFrame(out, columns=list(PREPARED.names)).astype({"row_id": "int64", "eval_ngrams": "int64"})
+
+
+def fill_dedup_columns(out: dict[str, list], texts: list[str], *, num_perm: int, bands: int, rows: int,
+                       shingle_chars: int, eval_index: np.ndarray, ngram: int) -> None:
+    """Set ``signature``, ``band_keys`` and ``eval_ngrams`` of the rows of ``out`` whose status is "ok", in order,
+    from ``texts`` (one per such row): the MinHash of its character ``shingle_chars``-grams, its LSH band keys, its
+    distinct word ``ngram``-grams shared with the eval sets."""
+    if not texts:
+        return
+    sigs = np.stack([minhash_signature(t, num_perm=num_perm, ngram=shingle_chars) for t in texts])  # (K, P)
+    keys = lsh_band_keys(sigs, bands, rows)  # (K, B)
+    matched = contamination_counts(texts, eval_index, ngram)
+    ok = [i for i, status in enumerate(out["status"]) if status == OK]
+    for j, i in enumerate(ok):
+        out["signature"][i], out["band_keys"][i], out["eval_ngrams"][i] = sigs[j].tobytes(), keys[j].tolist(), \
+            matched[j]
 
 
 PAIRS = pa.schema([("a_row_id", pa.int64()), ("a_uuid", pa.string()), ("b_row_id", pa.int64()),

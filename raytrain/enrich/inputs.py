@@ -73,7 +73,7 @@ class InputFiles:
             missing = self.missing_shards.get(split)
             if missing:
                 total = len(locs) + len(missing)
-                line += f"; missing {len(missing)} of {total} shards: {_some(missing)}"
+                line += f"; missing {len(missing)} of {total} shards: {some_names(missing)}"
             lines.append(line)
         return lines
 
@@ -92,16 +92,16 @@ def discover_inputs(input_root: StorageLocation, splits: tuple[str, ...]) -> Inp
     if info.type != pafs.FileType.Directory:
         raise RaytrainError(f"input.path: {input_root.uri} is a file, not a folder. Fix: point it at the "
                             "folder holding the Parquet files (or their data/ folder).")
-    entries = _entries(input_root)
+    entries = list_entries(input_root)
 
     found = _hub_layout(input_root, entries)
-    if found is None and _is_dir(entries, "snapshots"):
-        snapshot = _pick_snapshot(input_root)
-        found = _hub_layout(snapshot, _entries(snapshot))
+    if found is None and is_dir_entry(entries, "snapshots"):
+        snapshot = pick_snapshot(input_root)
+        found = _hub_layout(snapshot, list_entries(snapshot))
         if found is None:
             raise RaytrainError(
                 f"input.path: hub cache snapshot {snapshot.uri} holds no data/<prefix>-NNNNN-of-NNNNN.parquet "
-                f"files (found: {_some(_named(_entries(snapshot)))}). Fix: finish the download "
+                f"files (found: {some_names(named_entries(list_entries(snapshot)))}). Fix: finish the download "
                 "(huggingface-cli download nvidia/Nemotron-Post-Training-Dataset-v1 --repo-type dataset) "
                 "or point input.path at another snapshot.")
     if found is not None:
@@ -185,18 +185,18 @@ def _hub_layout(loc: StorageLocation, entries: dict[str, pafs.FileType]
     """(root, data folder, data folder entries) when `loc` is (a) a data/ folder or (b) holds one, else None."""
     if _shard_names(entries):
         return loc, loc, entries
-    if _is_dir(entries, "data"):
+    if is_dir_entry(entries, "data"):
         data = loc.join("data")
-        data_entries = _entries(data)
+        data_entries = list_entries(data)
         if _shard_names(data_entries):
             return loc, data, data_entries
     return None
 
 
-def _pick_snapshot(repo: StorageLocation) -> StorageLocation:
+def pick_snapshot(repo: StorageLocation) -> StorageLocation:
     """The snapshot of a hub repo cache folder: refs/main's revision, else the only one; else RaytrainError."""
     snapshots_dir = repo.join("snapshots")
-    snapshots = sorted(n for n, t in _entries(snapshots_dir).items() if t == pafs.FileType.Directory)
+    snapshots = sorted(n for n, t in list_entries(snapshots_dir).items() if t == pafs.FileType.Directory)
     ref = repo.join("refs", "main")
     if ref.is_file():
         revision = ref.read_text().strip()
@@ -209,7 +209,7 @@ def _pick_snapshot(repo: StorageLocation) -> StorageLocation:
     if len(snapshots) == 1:
         return snapshots_dir.join(snapshots[0])
     raise RaytrainError(
-        f"input.path: {repo.uri} has no refs/main and {len(snapshots)} snapshots ({_some(snapshots)}). "
+        f"input.path: {repo.uri} has no refs/main and {len(snapshots)} snapshots ({some_names(snapshots)}). "
         f"Fix: point input.path at one of them, e.g. {snapshots_dir.uri}/<revision>.")
 
 
@@ -225,10 +225,10 @@ def _group_split_folders(root: StorageLocation, entries: dict[str, pafs.FileType
     """(d): every known split's folder that holds at least one visible *.parquet file."""
     by_split: dict[str, list[StorageLocation]] = {}
     for split in SPLITS:
-        if not _is_dir(entries, split):
+        if not is_dir_entry(entries, split):
             continue
         folder = root.join(split)
-        names = sorted(n for n, t in _entries(folder).items()
+        names = sorted(n for n, t in list_entries(folder).items()
                        if t == pafs.FileType.File and n.endswith(".parquet") and not n.startswith((".", "_")))
         if names:
             by_split[split] = [folder.join(n) for n in names]
@@ -263,12 +263,12 @@ def _missing_shards(split: str, locs: tuple[StorageLocation, ...]) -> list[str]:
 
 
 def _nothing_matches(root: StorageLocation, entries: dict[str, pafs.FileType]) -> RaytrainError:
-    found = f"found: {_some(_named(entries)) if entries else 'nothing (empty folder)'}"
-    if _is_dir(entries, "data"):
-        data_entries = _entries(root.join("data"))
-        found += f"; in its data/: {_some(_named(data_entries)) if data_entries else 'nothing'}"
+    found = f"found: {some_names(named_entries(entries)) if entries else 'nothing (empty folder)'}"
+    if is_dir_entry(entries, "data"):
+        data_entries = list_entries(root.join("data"))
+        found += f"; in its data/: {some_names(named_entries(data_entries)) if data_entries else 'nothing'}"
     hint = ""
-    if _is_dir(entries, HUB_REPO_DIR):
+    if is_dir_entry(entries, HUB_REPO_DIR):
         hint = f" This looks like a hub cache: point input.path at {root.join(HUB_REPO_DIR).uri}."
     return RaytrainError(
         f"input.path: no Nemotron-Post-Training-Dataset-v1 Parquet files at {root.uri} ({found}). "
@@ -276,7 +276,7 @@ def _nothing_matches(root: StorageLocation, entries: dict[str, pafs.FileType]) -
 
 
 # ---- listing helpers ---------------------------------------------------------------------------------------
-def _entries(loc: StorageLocation) -> dict[str, pafs.FileType]:
+def list_entries(loc: StorageLocation) -> dict[str, pafs.FileType]:
     """Visible children of `loc` -> their type, in one listing call; {} when missing or not a folder."""
     try:
         infos = loc.filesystem.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True))
@@ -290,7 +290,7 @@ def _entries(loc: StorageLocation) -> dict[str, pafs.FileType]:
     return dict(sorted(out.items()))
 
 
-def _is_dir(entries: dict[str, pafs.FileType], name: str) -> bool:
+def is_dir_entry(entries: dict[str, pafs.FileType], name: str) -> bool:
     return entries.get(name) == pafs.FileType.Directory
 
 
@@ -298,11 +298,11 @@ def _shard_names(entries: dict[str, pafs.FileType]) -> list[str]:
     return sorted(n for n, t in entries.items() if t == pafs.FileType.File and SHARD_RE.match(n))
 
 
-def _named(entries: dict[str, pafs.FileType]) -> list[str]:
+def named_entries(entries: dict[str, pafs.FileType]) -> list[str]:
     return [n + "/" if t == pafs.FileType.Directory else n for n, t in entries.items()]
 
 
-def _some(names: list[str]) -> str:
+def some_names(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_NAMES])
     return shown + (f" ... and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
 

@@ -179,8 +179,8 @@ def _tally(finished, job: JobConfig, plan: EnrichPlan, enriched: StorageLocation
                  sum(c.quarantined.values()), c.quarantined or "")
     record_quarantine(job.storage.run_name, per_reason)
     rows_out = status.get(OK, 0)
-    enriched_files, enriched_rows = _footer_rows(enriched)
-    quarantine_files, quarantine_rows = _footer_rows(quarantine)
+    enriched_files, enriched_rows = footer_rows(enriched)
+    quarantine_files, quarantine_rows = footer_rows(quarantine)
     # Nothing dropped silently: checked on what was actually written, by reading the Parquet footers.
     if not plan.rows_in == enriched_rows + quarantine_rows == rows_out + sum(per_reason.values()):
         raise AssertionError(f"enrich: {plan.rows_in} rows in but {enriched_rows} written + {quarantine_rows} "
@@ -218,7 +218,7 @@ def _commit(job: JobConfig, plan: EnrichPlan, tally: Tally, report: dict[str, An
              summary_loc.uri)
 
 
-def _footer_rows(loc: StorageLocation) -> tuple[list[str], int]:
+def footer_rows(loc: StorageLocation) -> tuple[list[str], int]:
     """(sorted Parquet file names, total rows from their footers) of a flat folder."""
     names = sorted(n for n in loc.listdir() if n.endswith(".parquet"))
     rows = 0

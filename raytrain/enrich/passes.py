@@ -149,6 +149,19 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Dupl
     return Duplicates(flags, near, num_pairs.value, num_drops.value)
 
 
+def with_final_verdict(prepared: DataFrame, flags: DataFrame, ngram: int, columns: Sequence[str]) -> DataFrame:
+    """``columns`` of ``prepared`` joined with the dedup flags, ``status`` and ``detail`` the final verdict: pass 1's
+    reason, else exact or near duplicate, else contaminated (eval n-grams shared), else ok."""
+    status = (F.when(F.col("status") != batches.OK, F.col("status")).when(F.col("dup_reason").isNotNull(), F.col("dup_reason"))
+              .when(F.col("eval_ngrams") > 0, F.lit(batches.CONTAMINATED)).otherwise(F.lit(batches.OK)))
+    detail = (F.when(F.col("status") != batches.OK, F.col("detail")).when(F.col("dup_reason").isNotNull(), F.col("dup_detail"))
+              .when(F.col("eval_ngrams") > 0, F.concat(F.col("eval_ngrams").cast("string"),
+                                                       F.lit(f" distinct {ngram}-grams shared with the eval sets")))
+              .otherwise(F.lit("")))
+    verdict = {"status": status.alias("status"), "detail": detail.alias("detail")}
+    return prepared.join(flags, "row_id", "left").select(*(verdict.get(c, F.col(c)) for c in columns))
+
+
 def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
            eval_index: Any = None, retrieve_seconds: Any = None) -> DataFrame:
     """Pass 2: every row with its final verdict (derive/license from pass 1, then exact or near duplicate, then
@@ -159,14 +172,7 @@ def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = 
     writes and the statistics read it."""
     cfg, ds = job.enrich, job.dataset
     n = cfg.decontam_ngram
-    status = (F.when(F.col("status") != batches.OK, F.col("status")).when(F.col("dup_reason").isNotNull(), F.col("dup_reason"))
-              .when(F.col("eval_ngrams") > 0, F.lit(batches.CONTAMINATED)).otherwise(F.lit(batches.OK)))
-    detail = (F.when(F.col("status") != batches.OK, F.col("detail")).when(F.col("dup_reason").isNotNull(), F.col("dup_detail"))
-              .when(F.col("eval_ngrams") > 0, F.concat(F.col("eval_ngrams").cast("string"),
-                                                       F.lit(f" distinct {n}-grams shared with the eval sets")))
-              .otherwise(F.lit("")))
-    verdict = {"status": status.alias("status"), "detail": detail.alias("detail")}
-    rows = prepared.join(flags, "row_id", "left").select(*(verdict.get(c, F.col(c)) for c in batches.ROW.names))
+    rows = with_final_verdict(prepared, flags, n, batches.ROW.names)
     rows = rows.repartition(cfg.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
     scoring = batches.Scoring.from_config(cfg, num_threads=TORCH_THREADS_PER_TASK)
     tokenize = batches.Tokenizing.from_config(ds)

@@ -9,8 +9,8 @@ Two layouts are read:
   - the generic layout TRL and NeMo RL read: ``prompt`` (turns, or a string), ``chosen`` and ``rejected`` (a string,
     or a list holding one assistant turn), with an optional ``id`` / ``uuid``.
 
-HelpSteer3 rows carry no id, so a pair's id is a hash of its prompt and responses (the same row gets the same id in
-every run, which is what the validation hold-out and dedup key on).
+HelpSteer3 rows carry no id, so a pair's id is a hash of its prompt, responses and preference (the same row gets the
+same id in every run, which is what dedup and the reports key on).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class PreferenceExample:
     """A pair ready for dedup, decontamination and tokenization."""
 
     pair_id: str
-    """The row's id or uuid when it has one, else ``pair-`` and a hash of the prompt and both responses."""
+    """The row's id or uuid when it has one, else ``pair-`` and a hash of the prompt, both responses and the
+    preference."""
     domain: str
     """HelpSteer3's domain (general, code, multilingual, stem); "" when absent."""
     language: str
@@ -108,12 +109,15 @@ def _preference(value: Any) -> int:
     return int(number)
 
 
-def _pair_id(row: Mapping[str, Any], prompt: list[dict], chosen: str, rejected: str) -> str:
+def _pair_id(row: Mapping[str, Any], prompt: list[dict], first: str, second: str, preference: int) -> str:
+    """The row's id, else a hash of what the row says: its prompt, its two responses in the row's order and the
+    preference (two annotations of the same responses are two rows)."""
     for name in ("id", "uuid"):
         value = row.get(name)
         if isinstance(value, str) and value.strip():
             return value
-    payload = json.dumps([[m["role"], m["content"]] for m in prompt] + [chosen, rejected], ensure_ascii=False)
+    payload = json.dumps([[m["role"], m["content"]] for m in prompt] + [first, second, preference],
+                         ensure_ascii=False)
     return "pair-" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
 
@@ -152,7 +156,7 @@ def derive_pair(row: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS,
             first, second = _response(row.get("chosen"), "chosen"), _response(row.get("rejected"), "rejected")
             preference = -1  # the generic layout states the order: chosen is "response 1", preferred
             chosen, rejected = first, second
-        pair_id = _pair_id(row, prompt, first, second)
+        pair_id = _pair_id(row, prompt, first, second, preference)
         _check_prompt(prompt, chosen)
         if preference == 0:
             raise ConversationError(TIE, "overall_preference is 0: the responses are about the same, so neither is "

@@ -306,3 +306,43 @@ def _corpus_lines(c: dict[str, Any]) -> list[str]:
         lines.append("  most-used documents: " + ", ".join(f"{d['doc_id']} ({d['sentences_added']} in {d['rows']} rows)"
                                                           for d in c["top_documents"]))
     return lines
+
+
+# ---- preference pairs -------------------------------------------------------------------------------------------
+def pair_step_counts(rows_in: int, per_reason: dict[str, int]) -> list[StepCounts]:
+    """The pair enrichment's steps (derive, exact and near dedup, decontaminate, tokenize_check), as step_counts
+    gives the fine-tune's: a pair has no license column and no context selection."""
+    return [c for c in step_counts(rows_in, per_reason, corpus=False) if c.step not in ("license", "select_context")]
+
+
+def build_pair_report(rows_in: int, groups: list[dict[str, Any]], sources: list[dict[str, Any]],
+                      inputs: list[str], seconds: float) -> dict[str, Any]:
+    """The pair enrichment's report from its tally (rows per split, domain, language and status): counts per
+    reason, per step, per split / domain / language kept and quarantined. AssertionError when they do not add up
+    to ``rows_in`` (a bug)."""
+    per_reason: dict[str, int] = {}
+    by: dict[str, dict[str, dict[str, int]]] = {"split": {}, "domain": {}, "language": {}}
+    for g in groups:
+        kept = g["status"] == "ok"
+        if not kept:
+            per_reason[g["status"]] = per_reason.get(g["status"], 0) + g["rows"]
+        for key, table in by.items():
+            counts = table.setdefault(g[key] or "(none)", {"kept": 0, "quarantined": 0})
+            counts["kept" if kept else "quarantined"] += g["rows"]
+    steps = pair_step_counts(rows_in, per_reason)
+    return {"kind": "preference_pairs", "rows_in": rows_in, "rows_out": steps[-1].rows_out,
+            "quarantined": dict(sorted(per_reason.items())), "steps": [c.to_dict() for c in steps],
+            "per_split": by["split"], "per_domain": by["domain"], "per_language": by["language"],
+            "inputs": inputs, "eval_sets": sources, "seconds": round(seconds, 1)}
+
+
+def pair_summary_text(report: dict[str, Any]) -> str:
+    """The pair report as the readable enrich_summary.txt."""
+    lines = [f"preference pairs: {report['rows_in']} rows in -> {report['rows_out']} kept, "
+             f"{report['rows_in'] - report['rows_out']} quarantined ({report['seconds']:.0f}s)"]
+    lines += [f"  {c['step']:<15} {c['rows_in']:>7} in -> {c['rows_out']:>7} kept"
+              + (f"  quarantined {c['quarantined']}" if c["quarantined"] else "") for c in report["steps"]]
+    for key in ("per_split", "per_domain", "per_language"):
+        lines.append(f"{key.replace('per_', 'per ')}: " + ", ".join(
+            f"{name} {v['kept']} kept / {v['quarantined']} quarantined" for name, v in sorted(report[key].items())))
+    return "\n".join(lines) + "\n"

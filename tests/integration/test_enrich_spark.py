@@ -443,3 +443,94 @@ def test_corpus_table_reused_and_approximate_search_equals_exact(out, ray_local,
     for r in second:
         assert r["corpus_sentences"] == first[r["uuid"]]["corpus_sentences"], r["uuid"]
         np.testing.assert_allclose(r["corpus_scores"], first[r["uuid"]]["corpus_scores"], atol=1e-6)
+
+
+# ---- preference pairs (HelpSteer3-shaped sample) through the same Spark passes -------------------------------------
+@pytest.fixture(scope="module")
+def pairs(ray_local, tmp_path_factory):
+    """The HelpSteer3-shaped sample enriched on Spark in the module's Ray, read back with pyarrow."""
+    import gzip
+
+    from raytrain.enrich.pair_job import run_enrich_pairs
+    from raytrain.sample_data.preference import write_preference_sample
+
+    root = tmp_path_factory.mktemp("pairs")
+    sample = write_preference_sample(str(root / "sample"))
+    job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2"])
+    result = run_enrich_pairs(job, resolve(sample.train_path.rsplit("/preference/", 1)[0]),
+                              resolve(str(root / "run")), eval_sets=(sample.eval_path,))
+    lines = {split: [json.loads(line) for line in gzip.open(path, "rt", encoding="utf-8")]
+             for split, path in (("train", sample.train_path), ("validation", sample.validation_path))}
+    return SimpleNamespace(job=job, sample=sample, result=result, lines=lines,
+                           key=json.load(open(sample.planted_path)),
+                           enriched=pq.read_table(result.enriched.path).to_pylist(),
+                           quarantine=pq.read_table(result.quarantine.path).to_pylist())
+
+
+def test_pairs_every_line_leaves_through_one_door_with_the_planted_reason(pairs):
+    from raytrain.enrich.preference import derive_pair
+
+    train = pairs.lines["train"]
+    ids = [getattr(out, "pair_id", None) or out.uuid for out in map(derive_pair, train)]  # a pair, or Quarantined
+    kept = {r["uuid"] for r in pairs.enriched}
+    reason = {r["uuid"]: r["reason"] for r in pairs.quarantine}
+    assert len(kept) + len(reason) == len(train) + len(pairs.lines["validation"])
+    assert not kept & set(reason)
+    planted = {e["line"]: e for e in pairs.key["planted"]}
+    for line, pair_id in enumerate(ids):
+        entry = planted.get(line)
+        if entry is None:
+            continue
+        if entry["kind"] in ("exact_duplicate", "near_duplicate"):  # dedup keeps one of the two, by uuid
+            pair = {pair_id, ids[entry["of_line"]]}
+            assert len(pair & kept) == 1 and [reason[i] for i in pair - kept] == [entry["reason"]], entry
+        else:
+            assert reason[pair_id] == entry["reason"], entry
+    assert len(reason) == len(planted)  # nothing else quarantined
+    report = pairs.result.report
+    assert report["rows_in"] == len(train) + len(pairs.lines["validation"])
+    assert report["quarantined"] == {"bad_preference": 2, "bad_role": 1, "contaminated": 2, "exact_duplicate": 2,
+                                     "missing_response": 1, "near_duplicate": 1, "tie": 2}
+    assert report["per_split"]["validation"] == {"kept": len(pairs.lines["validation"]), "quarantined": 0}
+
+
+def test_pairs_chosen_by_the_sign_and_tokenized_like_mistral_common(pairs):
+    from raytrain.enrich.preference import derive_pair
+
+    tokenizer = load_tokenizer(pairs.job.dataset.tokenizer)
+    rows = {}
+    for row in pairs.lines["train"] + pairs.lines["validation"]:
+        pair = derive_pair(row)
+        if hasattr(pair, "pair_id"):
+            rows[pair.pair_id] = row
+    checked = 0
+    for out in pairs.enriched:
+        row = rows[out["uuid"]]
+        better, worse = ("response1", "response2") if row["overall_preference"] < 0 else ("response2", "response1")
+        assert out["margin"] == abs(row["overall_preference"])
+        context = row["context"] if isinstance(row["context"], list) else [{"role": "user", "content": row["context"]}]
+        messages = [UserMessage(content=t["content"]) if t["role"] == "user" else AssistantMessage(content=t["content"])
+                    for t in context]
+        for response, ids in ((row[better], out["chosen_ids"]), (row[worse], out["rejected_ids"])):
+            request = ChatCompletionRequest(messages=[*messages, AssistantMessage(content=response)])
+            assert out["prompt_ids"] + ids == tokenizer.encode_chat_completion(request).tokens, out["uuid"]
+        assert out["num_tokens"] == 2 * len(out["prompt_ids"]) + len(out["chosen_ids"]) + len(out["rejected_ids"])
+        checked += 1
+    assert checked == len(pairs.enriched) > 100
+
+
+def test_pairs_report_counts_domains_and_languages_as_the_input_has_them(pairs):
+    from collections import Counter
+
+    report = pairs.result.report
+    every = pairs.lines["train"] + pairs.lines["validation"]
+    for key in ("domain", "language"):
+        expected = Counter(row[key] for row in every)
+        assert {name: v["kept"] + v["quarantined"] for name, v in report[f"per_{key}"].items()} == expected
+        assert Counter(r[key] for r in pairs.enriched) == {n: v["kept"] for n, v in report[f"per_{key}"].items()
+                                                           if v["kept"]}
+    summary = RunPaths(resolve(pairs.result.enriched.uri.rsplit("/data/", 1)[0])).reports.join(
+        "enrich_summary.txt").read_text()
+    assert f"{report['rows_in']} rows in -> {report['rows_out']} kept" in summary
+    manifest = json.loads(pairs.result.enriched.join(MANIFEST).read_text())
+    assert manifest["enriched"]["rows"] == len(pairs.enriched) and manifest["kind"] == "preference_pairs"

@@ -69,8 +69,10 @@ def test_bad_rows_are_quarantined_with_their_reason(row, reason, detail):
     assert out.uuid and out.uuid.startswith("pair-")  # the quarantine file can name the row
 
 
-def test_a_tie_keeps_the_same_id_it_would_have_had():
-    assert derive_pair(helpsteer(0)).uuid == derive_pair(helpsteer(-1)).pair_id
+def test_rows_that_differ_only_in_their_preference_have_their_own_ids():
+    """A tie and the same responses with a preference are two rows: each id names one row."""
+    assert derive_pair(helpsteer(0)).uuid == derive_pair(helpsteer(0)).uuid != derive_pair(helpsteer(-1)).pair_id
+    assert derive_pair(helpsteer(-1)).pair_id != derive_pair(helpsteer(-2)).pair_id
 
 
 def test_too_long_and_too_many_turns():

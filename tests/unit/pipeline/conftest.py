@@ -13,11 +13,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gloo_group():
-    """One single-process gloo group for every module of the session that asks (DeepSpeed picks its CPU accelerator
-    without a GPU). Session-scoped: DeepSpeed keeps its own record of the group, so it is created once per process
-    and not torn down between modules."""
+    """One single-process gloo group per module that asks (DeepSpeed picks its CPU accelerator without a GPU),
+    destroyed at the module's end: other modules in the same process start process groups of their own."""
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

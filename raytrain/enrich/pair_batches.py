@@ -1,0 +1,124 @@
+"""Batch functions of the preference enrichment, pandas in and out, that Spark's Python workers run (the pairs'
+counterpart of ``raytrain.enrich.batches``).
+
+- ``prepare_pairs_batch``: JSON lines -> one PAIR_PREPARED row each: a pair (``enrich.preference.derive_pair``) or a
+  quarantine reason, and for pairs the exact-dedup key, MinHash signature, LSH band keys and eval n-grams of the
+  prompt and both responses (what the fine-tune's dedup and decontamination compare, so the same Spark passes
+  serve both).
+- ``finish_pairs_batch``: pairs with their final verdict -> PAIR_FINISHED rows: the prompt's tokens once and each
+  response's (``dataset.tokenize.tokenize_pair``), a pair whose two sequences do not fit one pack quarantined as
+  too_many_tokens (a pair is never split).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from raytrain.dataset.reasons import Reason
+from raytrain.dataset.tokenize import load_tokenizer, tokenize_pair
+from raytrain.enrich.batches import OK, fill_dedup_columns
+from raytrain.enrich.conversation import short_repr
+from raytrain.enrich.dedup import exact_key
+from raytrain.enrich.preference import PreferenceExample, derive_pair
+from raytrain.errors import RaytrainError
+
+PAIR_ROW = pa.schema([("row_id", pa.int64()), ("split", pa.string()), ("uuid", pa.string()), ("domain", pa.string()),
+                      ("language", pa.string()), ("status", pa.string()), ("detail", pa.string()),
+                      ("pair_json", pa.string())])
+"""Every pair table's first columns; ``pair_json`` holds the PreferenceExample's prompt, chosen, rejected, margin."""
+PAIR_PREPARED = pa.schema([*PAIR_ROW, ("exact_key", pa.string()), ("signature", pa.binary()),
+                           ("band_keys", pa.list_(pa.int64())), ("eval_ngrams", pa.int64())])
+PAIR_TOKENS = pa.schema([("margin", pa.float64()), ("prompt_ids", pa.list_(pa.int32())),
+                         ("chosen_ids", pa.list_(pa.int32())), ("rejected_ids", pa.list_(pa.int32())),
+                         ("num_tokens", pa.int64())])
+"""A kept pair's tokens: ``num_tokens`` is what it takes in a pack (the prompt twice and both responses)."""
+PAIR_FINISHED = pa.schema([*PAIR_ROW, *PAIR_TOKENS])
+
+
+def _empty(schema: pa.Schema) -> dict[str, Any]:
+    def value(t: pa.DataType) -> Any:
+        return "" if pa.types.is_string(t) else [] if pa.types.is_list(t) else b"" if pa.types.is_binary(t) else 0
+    return {f.name: value(f.type) for f in schema}
+
+
+def _line_id(line: str) -> str:
+    return "line-" + hashlib.sha256(line.encode("utf-8", "backslashreplace")).hexdigest()[:32]
+
+
+def _parse(line: str) -> dict | str:
+    """A JSON line as a dict, or the reason it is not one (a detail for undecodable_text)."""
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        return f"the line is not JSON ({e.msg} at character {e.pos}): {short_repr(line)}"
+    return row if isinstance(row, dict) else f"the line is a JSON {type(row).__name__}, not an object"
+
+
+def prepare_pairs_batch(pdf: pd.DataFrame, *, max_chars: int, num_perm: int, bands: int, rows: int,
+                        shingle_chars: int, eval_index: np.ndarray, ngram: int) -> pd.DataFrame:
+    """Lines of the input files (``value``, with ``split`` and ``row_id``) -> one PAIR_PREPARED row each: status
+    "ok" with the dedup and eval columns, or a derive reason (a line that is not a JSON object: undecodable_text)."""
+    empty = _empty(PAIR_PREPARED)
+    out: dict[str, list] = {name: [] for name in PAIR_PREPARED.names}
+    texts: list[str] = []
+    for line, split, row_id in zip(pdf["value"], pdf["split"], pdf["row_id"], strict=True):
+        values = {**empty, "row_id": int(row_id), "split": split}
+        row = _parse(line)
+        if isinstance(row, str):
+            values.update(uuid=_line_id(line), status=Reason.UNDECODABLE_TEXT.value, detail=row)
+        else:
+            result = derive_pair(row, max_chars=max_chars)
+            if isinstance(result, PreferenceExample):
+                text = result.full_text()
+                values.update(uuid=result.pair_id, domain=result.domain, language=result.language, status=OK,
+                              exact_key=exact_key(text), pair_json=json.dumps(
+                                  {"prompt": list(result.prompt), "chosen": result.chosen,
+                                   "rejected": result.rejected, "margin": result.margin}, ensure_ascii=False))
+                texts.append(text)
+            else:
+                values.update(uuid=result.uuid, status=str(result.reason), detail=result.detail,
+                              domain=_plain(row.get("domain")), language=_plain(row.get("language")))
+        for name in PAIR_PREPARED.names:
+            out[name].append(values[name])
+    fill_dedup_columns(out, texts, num_perm=num_perm, bands=bands, rows=rows, shingle_chars=shingle_chars,
+                       eval_index=eval_index, ngram=ngram)
+    return pd.DataFrame(out, columns=list(PAIR_PREPARED.names)).astype({"row_id": "int64", "eval_ngrams": "int64"})
+
+
+def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: int) -> pd.DataFrame:
+    """PAIR_ROW rows with their final verdict -> PAIR_FINISHED rows; the kept ones tokenized, or quarantined as
+    untokenizable or too_many_tokens."""
+    tokenizer = load_tokenizer(tokenizer_version)
+    empty = _empty(PAIR_TOKENS)
+    out: dict[str, list] = {name: [] for name in PAIR_FINISHED.names}
+    for row in pdf[list(PAIR_ROW.names)].to_dict("records"):
+        values = {**row, **empty}
+        if row["status"] == OK:
+            pair = json.loads(row["pair_json"])
+            try:
+                tokens = tokenize_pair(row["uuid"], pair["prompt"], pair["chosen"], pair["rejected"], tokenizer)
+            except RaytrainError as e:
+                values.update(status=Reason.UNTOKENIZABLE.value, detail=str(e))
+            else:
+                values.update(margin=float(pair["margin"]), prompt_ids=list(tokens.prompt),
+                              chosen_ids=list(tokens.chosen), rejected_ids=list(tokens.rejected),
+                              num_tokens=tokens.num_tokens)
+                if tokens.num_tokens > seq_len:
+                    values.update(status=Reason.TOO_MANY_TOKENS.value, detail=(
+                        f"the pair takes {tokens.num_tokens} tokens in a pack (prompt {len(tokens.prompt)} twice, "
+                        f"chosen {len(tokens.chosen)}, rejected {len(tokens.rejected)}) > dataset.seq_len={seq_len}; "
+                        "a pair is never split"))
+        for name in PAIR_FINISHED.names:
+            out[name].append(values[name])
+    return pd.DataFrame(out, columns=list(PAIR_FINISHED.names)).astype(
+        {"row_id": "int64", "num_tokens": "int64", "margin": "float64"})
+
+
+def _plain(value: Any) -> str:
+    return value if isinstance(value, str) else ""

@@ -1,0 +1,76 @@
+"""The preference enrichment's DataFrame passes: the JSON lines read as text, pass 1 (pair_batches.prepare_pairs_batch),
+the fine-tune's dedup (passes.duplicates: same keys, same LSH, same clustering) and final verdict, pass 2
+(pair_batches.finish_pairs_batch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from raytrain.config import JobConfig
+from raytrain.enrich import pair_batches
+from raytrain.enrich.dedup import lsh_params
+from raytrain.enrich.passes import NUM_PERM, SHINGLE_CHARS, spark_schema, with_final_verdict
+
+ENRICHED_COLUMNS = ("uuid", "split", "domain", "language", "margin", "prompt_ids", "chosen_ids", "rejected_ids",
+                    "num_tokens", "pair_json")
+"""The enriched pairs' columns (``uuid`` is the pair id)."""
+QUARANTINE_COLUMNS = ("uuid", "split", "domain", "language", "reason", "detail")
+
+
+def read_pair_lines(spark: SparkSession, files: dict[str, str]) -> DataFrame:
+    """Every non-blank line of each split's file (``value``, ``split``), with a ``row_id`` unique per line assigned
+    before any shuffle. Spark decompresses ``.gz`` by the name; blank lines are not rows in JSON Lines."""
+    frames = [spark.read.text(uri).filter(F.trim(F.col("value")) != "").withColumn("split", F.lit(split))
+              for split, uri in files.items()]
+    df = frames[0]
+    for other in frames[1:]:
+        df = df.unionByName(other)
+    return df.withColumn("row_id", F.monotonically_increasing_id())
+
+
+def prepare_pairs(lines: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
+    """Pass 1 over every line, spread over enrich.num_partitions; persisted (the dedup reads its narrow columns,
+    pass 2 the rest). ``eval_index``: the broadcast sorted eval n-gram array."""
+    cfg = job.enrich
+    bands, rows = lsh_params(cfg.near_dup_threshold, NUM_PERM)
+
+    def body(frames):
+        for pdf in frames:
+            yield pair_batches.prepare_pairs_batch(pdf, max_chars=cfg.max_chars, num_perm=NUM_PERM, bands=bands,
+                                                   rows=rows, shingle_chars=SHINGLE_CHARS,
+                                                   eval_index=eval_index.value, ngram=cfg.decontam_ngram)
+
+    prepared = lines.repartition(cfg.num_partitions).mapInPandas(body, schema=spark_schema(pair_batches.PAIR_PREPARED))
+    return prepared.persist(StorageLevel.MEMORY_AND_DISK)
+
+
+def finish_pairs(prepared: DataFrame, flags: DataFrame, job: JobConfig) -> DataFrame:
+    """Pass 2: every pair with its final verdict, hash-partitioned by uuid and sorted by uuid within each partition
+    (the written files' order), tokenized; persisted (the writes and the tally read it)."""
+    rows = with_final_verdict(prepared, flags, job.enrich.decontam_ngram, pair_batches.PAIR_ROW.names)
+    rows = rows.repartition(job.enrich.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
+    version, seq_len = job.dataset.tokenizer, job.dataset.seq_len
+
+    def body(frames):
+        for pdf in frames:
+            yield pair_batches.finish_pairs_batch(pdf, tokenizer_version=version, seq_len=seq_len)
+
+    finished = rows.mapInPandas(body, schema=spark_schema(pair_batches.PAIR_FINISHED))
+    return finished.persist(StorageLevel.MEMORY_AND_DISK)
+
+
+def quarantined_pairs(finished: DataFrame) -> DataFrame:
+    return finished.filter(F.col("status") != pair_batches.OK).withColumnRenamed("status", "reason") \
+        .select(*QUARANTINE_COLUMNS)
+
+
+def tally(finished: DataFrame) -> list[dict[str, Any]]:
+    """Rows per (split, domain, language, status): one small aggregation the report is built from."""
+    groups = finished.groupBy("split", "domain", "language", "status").count().collect()
+    return sorted(({"split": r["split"], "domain": r["domain"], "language": r["language"], "status": r["status"],
+                    "rows": int(r["count"])} for r in groups),
+                  key=lambda g: (g["split"], g["domain"], g["language"], g["status"]))

@@ -1,0 +1,84 @@
+"""The preference enrichment's pure parts: finding HelpSteer3's files in the layouts users have, and the batch
+functions Spark runs (here on plain pandas frames)."""
+
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from raytrain.enrich.pair_batches import PAIR_FINISHED, PAIR_PREPARED, finish_pairs_batch, prepare_pairs_batch
+from raytrain.enrich.pair_inputs import HUB_REPO_DIR, discover_pair_inputs
+from raytrain.errors import RaytrainError
+from raytrain.storage import resolve
+
+ROW = {"domain": "general", "language": "english", "context": [{"role": "user", "content": "What is 2 + 2?"}],
+       "response1": "2 + 2 = 4.", "response2": "Numbers are fun.", "overall_preference": -2,
+       "individual_preference": []}
+
+
+def touch(path) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "wb").close()
+
+
+@pytest.mark.parametrize("layout", ["folder", "root", "hub_cache"])
+def test_discovery_finds_the_preference_files_in_each_layout(tmp_path, layout):
+    root = {"folder": tmp_path / "preference", "root": tmp_path,
+            "hub_cache": tmp_path / HUB_REPO_DIR}[layout]
+    folder = (tmp_path / HUB_REPO_DIR / "snapshots" / "abc123" / "preference" if layout == "hub_cache"
+              else tmp_path / "preference")
+    touch(folder / "train.jsonl.gz")
+    touch(folder / "validation.jsonl.gz")
+    if layout == "hub_cache":
+        (tmp_path / HUB_REPO_DIR / "refs").mkdir()
+        (tmp_path / HUB_REPO_DIR / "refs" / "main").write_text("abc123")
+    found = discover_pair_inputs(resolve(str(root)))
+    assert found.root.path == str(folder)
+    assert {split: loc.name for split, loc in found.files.items()} == {"train": "train.jsonl.gz",
+                                                                      "validation": "validation.jsonl.gz"}
+
+
+def test_discovery_errors_name_the_path_and_the_fix(tmp_path):
+    with pytest.raises(RaytrainError, match="does not exist"):
+        discover_pair_inputs(resolve(str(tmp_path / "nowhere")))
+    touch(tmp_path / "other.txt")
+    with pytest.raises(RaytrainError, match=r"no preference pairs at .* \(found: other.txt\).*Fix:"):
+        discover_pair_inputs(resolve(str(tmp_path)))
+    touch(tmp_path / "preference" / "validation.jsonl")
+    with pytest.raises(RaytrainError, match="no train.jsonl.gz"):
+        discover_pair_inputs(resolve(str(tmp_path)))
+    touch(tmp_path / "preference" / "train.jsonl")
+    touch(tmp_path / "preference" / "train.jsonl.gz")
+    with pytest.raises(RaytrainError, match="holds both train.jsonl and train.jsonl.gz"):
+        discover_pair_inputs(resolve(str(tmp_path)))
+
+
+def prepare(lines: list[str]) -> pd.DataFrame:
+    pdf = pd.DataFrame({"value": lines, "split": ["train"] * len(lines), "row_id": range(len(lines))})
+    return prepare_pairs_batch(pdf, max_chars=10_000, num_perm=16, bands=4, rows=4, shingle_chars=5,
+                               eval_index=np.array([], dtype=np.uint64), ngram=13)
+
+
+def test_prepare_parses_each_line_or_names_why_not():
+    out = prepare([json.dumps(ROW), "{not json", "[1, 2]", json.dumps({**ROW, "overall_preference": 0})])
+    assert list(out.columns) == PAIR_PREPARED.names
+    assert out["status"].tolist() == ["ok", "undecodable_text", "undecodable_text", "tie"]
+    assert "the line is not JSON" in out["detail"][1] and "a JSON list, not an object" in out["detail"][2]
+    assert out["uuid"][1].startswith("line-") and out["uuid"][1] != out["uuid"][2]
+    ok = out.iloc[0]
+    assert ok["exact_key"] and len(ok["band_keys"]) == 4 and len(ok["signature"]) == 16 * 4  # 16 uint32 MinHash values
+    assert json.loads(ok["pair_json"])["chosen"] == "2 + 2 = 4."
+    assert out["band_keys"][3] == [] and out["exact_key"][3] == ""  # quarantined rows carry no dedup columns
+
+
+def test_finish_tokenizes_kept_pairs_and_refuses_a_pair_that_cannot_fit_one_pack():
+    prepared = prepare([json.dumps(ROW), json.dumps({**ROW, "response1": "four " * 40})])
+    out = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=64)
+    assert list(out.columns) == PAIR_FINISHED.names
+    assert out["status"].tolist() == ["ok", "too_many_tokens"]
+    first = out.iloc[0]
+    assert first["num_tokens"] == 2 * len(first["prompt_ids"]) + len(first["chosen_ids"]) + len(first["rejected_ids"])
+    assert first["margin"] == 2.0
+    assert "a pair is never split" in out["detail"][1] and "> dataset.seq_len=64" in out["detail"][1]
