@@ -17,8 +17,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
-from raytrain.dataset.pack import Pack, build_pack
+from raytrain.dataset.labels import IGNORE_INDEX
+from raytrain.dataset.pack import PACK_COLUMNS, Pack, build_pack
 from raytrain.dataset.tokenize import TokenizedPair
 from raytrain.errors import RaytrainError
 
@@ -70,3 +72,36 @@ def pack_pairs(pairs: Iterable[TokenizedPair], seq_len: int, max_pairs: int, pad
         open_tokens += pair.num_tokens
     if open_pairs:
         yield _emit(open_pairs, seq_len, max_pairs, pad_id)
+
+
+MAX_PAIRS_PER_PACK = 16
+"""The width of a pack's pair table (``pair_segments``): packing closes a pack at this many pairs."""
+PAIR_TOKEN_COLUMNS = ("uuid", "prompt_ids", "chosen_ids", "rejected_ids")
+"""What ``pair_pack_batch`` reads: the enriched pairs' columns (raytrain.enrich.pair_passes.ENRICHED_COLUMNS)."""
+
+
+def pair_pack_batch(batch: pd.DataFrame, seq_len: int, max_pairs: int = MAX_PAIRS_PER_PACK,
+                    pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Pack a batch of enriched pairs; the function to give Ray Data ``map_batches``.
+
+    Out: ``pack_batch``'s columns (the sequences, ``doc_ids`` one pair id per segment, ``num_tokens``,
+    ``num_targets``) and the pair table: ``pair_segments`` (num_packs, 2 * max_pairs) int64 (chosen and rejected
+    segment of each slot, -1 for an empty one), ``num_pairs`` and ``chosen_targets`` (the chosen responses' target
+    tokens, what the optional NLL term is averaged over) per pack."""
+    pairs = (TokenizedPair(str(uuid), list(prompt), list(chosen), list(rejected)) for uuid, prompt, chosen, rejected
+             in zip(*(batch[c] for c in PAIR_TOKEN_COLUMNS), strict=True))
+    rows = list(pack_pairs(pairs, seq_len, max_pairs, pad_id))
+    packs = [row.pack for row in rows]
+    out: dict[str, np.ndarray] = {
+        name: np.stack([getattr(p, name) for p in packs]) if packs else np.zeros((0, seq_len), dtype=np.int64)
+        for name in PACK_COLUMNS}
+    out["doc_ids"] = np.array([",".join(p.doc_ids) for p in packs], dtype=object)
+    out["num_tokens"] = np.array([p.num_real_tokens for p in packs], dtype=np.int64)
+    out["num_targets"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int64)
+    out["pair_segments"] = (np.stack([row.pair_segments.reshape(-1) for row in rows]) if rows
+                            else np.zeros((0, 2 * max_pairs), dtype=np.int64))
+    out["num_pairs"] = np.array([len(row.pair_ids) for row in rows], dtype=np.int64)
+    out["chosen_targets"] = np.array(
+        [int(np.isin(row.pack.segment_ids, row.pair_segments[:, 0][row.pair_segments[:, 0] >= 0])
+             [row.pack.labels != IGNORE_INDEX].sum()) for row in rows], dtype=np.int64)
+    return out

@@ -29,6 +29,7 @@ import ray
 from raytrain.config import DatasetConfig
 from raytrain.dataset.pack import TOKENIZED_COLUMNS, pack_batch, tokenize_frame
 from raytrain.dataset.pack_reader import PackReader
+from raytrain.dataset.pair_pack import MAX_PAIRS_PER_PACK, PAIR_TOKEN_COLUMNS, pair_pack_batch
 from raytrain.errors import RaytrainError
 from raytrain.storage import MANIFEST, StorageLocation
 
@@ -137,10 +138,15 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
                       existing["num_real_tokens"], subset("validation"), subset("benchmark"))
 
 
-def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig) -> PackedData | None:
-    """Pack ``ds`` (TOKENIZED_COLUMNS rows) into Parquet under ``out``; None when it gave no pack."""
-    ds = ds.map_batches(pack_batch, batch_format="pandas", batch_size=PACK_BATCH_ROWS,
-                        fn_kwargs={"seq_len": cfg.seq_len, "length_policy": cfg.length_policy})
+def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig, pairs: bool = False) -> PackedData | None:
+    """Pack ``ds`` (TOKENIZED_COLUMNS rows; with ``pairs``, PAIR_TOKEN_COLUMNS rows) into Parquet under ``out``;
+    None when it gave no pack."""
+    if pairs:
+        ds = ds.map_batches(pair_pack_batch, batch_format="pandas", batch_size=PACK_BATCH_ROWS,
+                            fn_kwargs={"seq_len": cfg.seq_len})
+    else:
+        ds = ds.map_batches(pack_batch, batch_format="pandas", batch_size=PACK_BATCH_ROWS,
+                            fn_kwargs={"seq_len": cfg.seq_len, "length_policy": cfg.length_policy})
     # one pack per row group: a trainer rank reads exactly the packs it trains (raytrain.dataset.pack_reader)
     ds.write_parquet(out.path, filesystem=out.filesystem, row_group_size=PACK_ROW_GROUP_ROWS)
     out_files = _parquet_files(out) if out.exists() else []
@@ -251,6 +257,48 @@ def pack_enriched(enriched: StorageLocation, packed: StorageLocation, cfg: Datas
     log.info("dataset: %d conversations held out for validation (uuid hash < %.4f) -> %d packed sequences",
              held_out_rows, fraction, validation.num_packs if validation else 0)
     return PackedData(packed, train.files, train.num_packs, train.num_real_tokens, validation, benchmark)
+
+
+def _pairs_of_split(batch: pd.DataFrame, split: str) -> pd.DataFrame:
+    return batch[batch["split"] == split][list(PAIR_TOKEN_COLUMNS)]
+
+
+def _num_pairs(data: PackedData | None) -> int:
+    return sum(int(pq.read_table(data.location.filesystem.open_input_file(f), columns=["num_pairs"])
+                   .column("num_pairs").to_numpy().sum()) for f in data.files) if data else 0
+
+
+def pack_enriched_pairs(enriched: StorageLocation, packed: StorageLocation, cfg: DatasetConfig,
+                        data_hash: str) -> PackedData:
+    """Pack the enriched preference pairs with Ray Data and write them, manifest last, under ``packed``: the pairs
+    of the input's train split for training, those of its validation split under ``validation/`` (the published
+    hold-out: no hash split here). A pair is never split (raytrain.dataset.pair_pack); the files' row order is
+    kept, so the same pairs always give the same packs."""
+    if packed.exists():
+        packed.delete_dir()  # a partial output from an interrupted run (no manifest): start clean
+    t0 = time.perf_counter()
+    files = _parquet_files(enriched)
+    if not files:
+        raise RaytrainError(f"no enriched Parquet under {enriched.uri}: did the enrich stage keep any pair?")
+    ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=[*PAIR_TOKEN_COLUMNS, "split"])
+    ds.context.execution_options.preserve_order = True
+    train = _pack(ds.map_batches(_pairs_of_split, batch_format="pandas", fn_kwargs={"split": "train"}), packed, cfg,
+                  pairs=True)
+    if train is None:
+        raise RaytrainError(f"no training pair packed from {enriched.uri}: the input's train split kept no pair.")
+    validation = _pack(ds.map_batches(_pairs_of_split, batch_format="pandas", fn_kwargs={"split": "validation"}),
+                       packed.join("validation"), cfg, pairs=True)
+    counts = {"train": _num_pairs(train), "validation": _num_pairs(validation)}
+    manifest = {"data_hash": data_hash, "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer,
+                "kind": "preference_pairs", "max_pairs_per_pack": MAX_PAIRS_PER_PACK,
+                **_entry(train, pairs=counts["train"]), "validation": _entry(validation, pairs=counts["validation"]),
+                "benchmark": _entry(None)}
+    packed.join(MANIFEST).write_atomic(json.dumps(manifest, indent=2))
+    log.info("dataset: %d training pairs -> %d packed sequences of %d tokens (%.1f%% fill), %d validation pairs -> "
+             "%d, in %.1fs", counts["train"], train.num_packs, cfg.seq_len,
+             100.0 * train.num_real_tokens / max(1, train.num_packs * cfg.seq_len), counts["validation"],
+             validation.num_packs if validation else 0, time.perf_counter() - t0)
+    return PackedData(packed, train.files, train.num_packs, train.num_real_tokens, validation, None)
 
 
 def _read_micro_batches(batch: dict[str, np.ndarray], folder_uri: str, files: tuple[str, ...],

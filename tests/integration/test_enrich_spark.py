@@ -534,3 +534,34 @@ def test_pairs_report_counts_domains_and_languages_as_the_input_has_them(pairs):
     assert f"{report['rows_in']} rows in -> {report['rows_out']} kept" in summary
     manifest = json.loads(pairs.result.enriched.join(MANIFEST).read_text())
     assert manifest["enriched"]["rows"] == len(pairs.enriched) and manifest["kind"] == "preference_pairs"
+
+
+def test_pairs_pack_with_ray_data_never_split_and_validation_apart(pairs, tmp_path):
+    from raytrain.dataset.stream import pack_enriched_pairs
+
+    packed = pack_enriched_pairs(pairs.result.enriched, resolve(str(tmp_path / "packed")), pairs.job.dataset, "h")
+    by_id = {r["uuid"]: r for r in pairs.enriched}
+    manifest = json.loads(packed.location.join(MANIFEST).read_text())
+    for split, data in (("train", packed), ("validation", packed.validation)):
+        rows = pq.read_table(list(data.files)).to_pylist()  # pyarrow reads what Ray Data wrote
+        expected = {u for u, r in by_id.items() if r["split"] == split}
+        seen = []
+        for row in rows:
+            segments = np.asarray(row["segment_ids"])
+            ids = row["doc_ids"].split(",")
+            table = np.asarray(row["pair_segments"]).reshape(-1, 2)
+            assert row["num_pairs"] == len(ids) // 2 == int((table[:, 0] >= 0).sum())
+            for slot in range(row["num_pairs"]):
+                chosen, rejected = table[slot]
+                assert (chosen, rejected) == (2 * slot, 2 * slot + 1)  # adjacent, chosen first: never split
+                pair_id = ids[chosen]
+                assert ids[rejected] == pair_id
+                pair = by_id[pair_id]
+                tokens = np.asarray(row["input_ids"])
+                assert tokens[segments == chosen].tolist() == pair["prompt_ids"] + pair["chosen_ids"]
+                assert tokens[segments == rejected].tolist() == pair["prompt_ids"] + pair["rejected_ids"]
+                seen.append(pair_id)
+            assert row["chosen_targets"] == sum(len(by_id[i]["chosen_ids"]) for i in ids[::2])
+        assert sorted(seen) == sorted(expected)  # every pair of the split once, no other
+        assert data.num_real_tokens == sum(by_id[u]["num_tokens"] for u in expected)
+        assert (manifest if split == "train" else manifest["validation"])["pairs"] == len(expected)

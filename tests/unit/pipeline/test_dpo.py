@@ -222,3 +222,21 @@ def test_a_deepspeed_step_over_two_micro_batches_equals_trl_on_the_global_batch(
         error = (grad - trl_grads[name]).norm() / trl_grads[name].norm()
         assert error < 1e-4, f"{name}: gradient differs from TRL's by {error:.1e} of its norm"
     assert set(grads) == set(trl_grads)
+
+
+def test_pair_pack_batch_columns_count_pairs_and_chosen_targets():
+    import pandas as pd
+
+    from raytrain.dataset.pair_pack import pair_pack_batch
+
+    pairs = random_pairs()
+    frame = pd.DataFrame({"uuid": [p.pair_id for p in pairs], "prompt_ids": [list(p.prompt) for p in pairs],
+                          "chosen_ids": [list(p.chosen) for p in pairs],
+                          "rejected_ids": [list(p.rejected) for p in pairs]})
+    out = pair_pack_batch(frame, SEQ_LEN, max_pairs=MAX_PAIRS)
+    assert out["pair_segments"].tolist() == [[0, 1, 2, 3], [0, 1, -1, -1]]
+    assert out["num_pairs"].tolist() == [2, 1]
+    assert out["doc_ids"].tolist() == ["pair-0,pair-0,pair-1,pair-1", "pair-2,pair-2"]
+    assert out["chosen_targets"].tolist() == [len(pairs[0].chosen) + len(pairs[1].chosen), len(pairs[2].chosen)]
+    assert out["num_targets"].sum() == sum(len(p.chosen) + len(p.rejected) for p in pairs)
+    assert out["input_ids"].shape == (2, SEQ_LEN)
