@@ -10,6 +10,8 @@ numbers computed once before training; the policy's are recomputed every step.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -204,14 +206,20 @@ class DpoLoss:
     A micro-batch's labels are ``(labels, segment_ids, pair_segments, ref_logps, scales)`` as
     ``raytrain.trainer.feed.to_pair_micro_batch`` makes them, ``scales`` = [pair_scale, sft_scale]. Each call adds
     its micro-batch's metric sums to ``sums``; ``take_sums`` hands them over (and starts again) after a training
-    step or an evaluation, for the loop to add up over dp and report as means."""
+    step or an evaluation, for the loop to add up over dp and report as means. ``recording`` turns it into the
+    reference pass."""
 
     def __init__(self, settings: DpoSettings) -> None:
         self.settings = settings
         self.sums: dict[str, float] = {}
+        self.recorded: list[torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         targets, segment_ids, pair_segments, ref_logps, scales = labels
+        if self.recorded is not None:  # the reference pass: keep each micro-batch's pair log-probabilities
+            logps, _ = pair_logps(logits, targets, segment_ids, pair_segments)
+            self.recorded.append(logps.detach().float().cpu())
+            return logps.new_zeros(())
         loss, sums = micro_batch_loss(logits, PackedPairs(targets, segment_ids, pair_segments, ref_logps),
                                       self.settings, pair_scale=scales[0].to(logits.device),
                                       sft_scale=scales[1].to(logits.device))
@@ -222,3 +230,14 @@ class DpoLoss:
     def take_sums(self) -> dict[str, float]:
         sums, self.sums = self.sums, {}
         return sums
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        """The reference pass: inside, each micro-batch the stage evaluates appends its (B, P, 2) pair
+        log-probabilities (chosen, rejected; 0 for empty slots) to the yielded list, in order, and its loss is 0.
+        Run it with the starting weights (for a LoRA run, under ``lora.adapters_disabled``)."""
+        self.recorded = []
+        try:
+            yield self.recorded
+        finally:
+            self.recorded = None

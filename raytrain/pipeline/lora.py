@@ -17,6 +17,7 @@ Names: ``adapter_state_dict`` gives a stage's adapter weights under the names of
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterator
@@ -65,6 +66,23 @@ def add_adapters(module: nn.Module, lora: LoraConfig, seed: int) -> None:
         param.requires_grad_(".lora_" in name)
     for embedding in (m for m in module.modules() if isinstance(m, EmbeddingPipe)):
         embedding.register_forward_hook(_hidden_requires_grad)
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` as its base model: every peft LoRA layer's adapter off (peft's own ``enable_adapters``), each
+    restored on exit, its adapters' requires_grad included. A LoRA run's DPO reference, as TRL takes it."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    were_disabled = [m.disable_adapters for m in layers]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer, disabled in zip(layers, were_disabled, strict=True):
+            layer.enable_adapters(not disabled)
 
 
 def _hidden_requires_grad(_module: nn.Module, _inputs: Any, output: tuple[torch.Tensor, ...]) -> None:

@@ -1,6 +1,7 @@
 """DPO on packed pairs (raytrain.pipeline.dpo, raytrain.dataset.pair_pack) against TRL's DPOTrainer on transformers'
 MistralForCausalLM: the same pairs, TRL padded one sequence per row, ours packed several pairs per row."""
 
+import contextlib
 import copy
 import math
 
@@ -240,3 +241,82 @@ def test_pair_pack_batch_columns_count_pairs_and_chosen_targets():
     assert out["chosen_targets"].tolist() == [len(pairs[0].chosen) + len(pairs[1].chosen), len(pairs[2].chosen)]
     assert out["num_targets"].sum() == sum(len(p.chosen) + len(p.rejected) for p in pairs)
     assert out["input_ids"].shape == (2, SEQ_LEN)
+
+
+def test_adapters_disabled_gives_the_base_model_and_restores_the_adapters():
+    """A LoRA run's reference: with the adapters off the stage computes the base model's logits exactly; after,
+    the adapted logits and the adapters' requires_grad are back."""
+    from raytrain.config import LoraConfig
+    from raytrain.pipeline.lora import adapters_disabled, add_adapters
+    from raytrain.pipeline.model import build_sequential
+
+    model = build_sequential(CFG, seed=3).eval()
+    inputs = (torch.randint(0, CFG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4)),
+              torch.arange(12).expand(2, 12), torch.zeros(2, 12, dtype=torch.long))
+    with torch.no_grad():
+        base = model(inputs)
+    add_adapters(model, LoraConfig(rank=4, alpha=8.0), seed=3)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+        adapted = model(inputs)
+        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+        with adapters_disabled(model):
+            off = model(inputs)
+            assert not any(param.requires_grad for param in model.parameters())
+        again = model(inputs)
+    assert (adapted - base).abs().max() > 1e-3  # the adapters change the model
+    torch.testing.assert_close(off, base, rtol=0, atol=0)
+    torch.testing.assert_close(again, adapted, rtol=0, atol=0)
+    assert {name for name, param in model.named_parameters() if param.requires_grad} == trainable
+    assert trainable and all(".lora_" in name for name in trainable)
+
+
+def test_reference_pass_through_deepspeed_records_the_starting_models_logps(gloo_group, models, tmp_path):
+    """The reference pass is DeepSpeed's pipeline eval schedule with DpoLoss recording: each micro-batch's pair
+    log-probabilities, in order, equal those of the starting weights computed outside DeepSpeed; on a LoRA stage
+    with the adapters off they are the base model's although the adapters are not zero."""
+    import deepspeed
+
+    from raytrain.config import LoraConfig
+    from raytrain.pipeline.dpo import DpoLoss
+    from raytrain.pipeline.hf_io import load_hf_into_stage
+    from raytrain.pipeline.lora import adapters_disabled, add_adapters
+    from raytrain.pipeline.module import build_pipeline_module
+    from raytrain.trainer.feed import to_pair_micro_batch
+
+    _, reference_hf = models
+    batch, input_ids, position_ids = packed(random_pairs())
+    with torch.no_grad():
+        expected, _ = pair_logps(ours_from_hf(CFG, reference_hf)((input_ids, position_ids, batch.segment_ids)),
+                                 batch.labels, batch.segment_ids, batch.pair_segments)
+    feed = [to_pair_micro_batch({"input_ids": input_ids[i:i + 1].numpy(), "position_ids": position_ids[i:i + 1].numpy(),
+                                 "segment_ids": batch.segment_ids[i:i + 1].numpy(), "labels": batch.labels[i:i + 1].numpy(),
+                                 "pair_segments": batch.pair_segments[i:i + 1].reshape(1, -1).numpy(),
+                                 "ref_logps": np.zeros((1, 2 * MAX_PAIRS), dtype=np.float32)}, 0.0, 0.0)
+            for i in range(2)]
+    hf_dir = tmp_path / "reference"
+    reference_hf.save_pretrained(hf_dir)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10_000}
+    for lora in (False, True):
+        loss_fn = DpoLoss(DpoSettings())
+        module = build_pipeline_module(CFG, num_stages=1, loss_fn=loss_fn)
+        load_hf_into_stage(module, hf_dir)
+        if lora:
+            add_adapters(module, LoraConfig(rank=4, alpha=8.0), seed=0)
+            with torch.no_grad():
+                for name, param in module.named_parameters():
+                    if ".lora_B" in name:
+                        param.fill_(0.05)
+        engine, _, _, _ = deepspeed.initialize(model=module, config=config,
+                                               model_parameters=[p for p in module.parameters() if p.requires_grad])
+        with adapters_disabled(module) if lora else contextlib.nullcontext(), loss_fn.recording() as recorded:
+            engine.eval_batch(iter(feed), num_micro_batches=2)
+        torch.testing.assert_close(torch.cat(recorded), expected, rtol=1e-5, atol=1e-4)
+        if lora:
+            with loss_fn.recording() as adapted:
+                engine.eval_batch(iter(feed), num_micro_batches=2)
+            assert (torch.cat(adapted) - expected).abs().max() > 1e-2  # on, the adapters change the log-probs
