@@ -17,7 +17,7 @@ from mistral_common.protocol.instruct.request import ChatCompletionRequest
 from raytrain.config import load_job_config
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
 from raytrain.enrich.context import context_block, final_answer, is_toggle_line
-from raytrain.enrich.job import run_enrich
+from raytrain.enrich.job import enrich_in_session, run_enrich
 from raytrain.errors import RaytrainError
 from raytrain.sample_data import load_corpus_key, load_planted, write_sample_dataset
 from raytrain.storage import MANIFEST, RunPaths, resolve
@@ -416,7 +416,17 @@ def test_corpus_report(out):
     assert "context corpus" in summary and "removed as contaminated" in summary and "most-used documents" in summary
 
 
-def test_corpus_table_reused_and_approximate_search_equals_exact(out, ray_local, tmp_path):
+@pytest.fixture(scope="module")
+def spark(ray_local):
+    """One Spark session on the module's Ray for the tests that enrich again (the reused corpus table, the
+    preference pairs): one JVM start instead of one per test."""
+    from raytrain.enrich.spark import spark_session
+
+    with spark_session(load_job_config("configs/demo.yaml", []).enrich) as session:
+        yield session
+
+
+def test_corpus_table_reused_and_approximate_search_equals_exact(out, spark, tmp_path):
     """A second run with the same corpus and model reads the embedded table (same files, nothing embedded) and,
     told to search approximately above 10 sentences, builds the faiss index: recall@k 1.0 on this small corpus,
     and the rows get the same corpus sentences as the exact search gave them."""
@@ -429,7 +439,8 @@ def test_corpus_table_reused_and_approximate_search_equals_exact(out, ray_local,
               for p in fs}
     job = load_job_config("configs/demo.yaml", ["input.splits=[chat]", "input.max_rows=24", "enrich.num_partitions=1",
                                                 "enrich.corpus_exact_max_sentences=10"])
-    result = run_enrich(job, resolve(out.sample.out_dir), resolve(str(run_root)), eval_sets=(out.sample.eval_path,))
+    result = enrich_in_session(spark, job, resolve(out.sample.out_dir), resolve(str(run_root)),
+                               eval_sets=(out.sample.eval_path,))
     corpus = result.report["corpus"]
     assert corpus["reused"] and corpus["sentences_embedded_this_run"] == 0
     assert os.path.basename(corpus["table_uri"]) == os.path.basename(table)
@@ -447,18 +458,21 @@ def test_corpus_table_reused_and_approximate_search_equals_exact(out, ray_local,
 
 # ---- preference pairs (HelpSteer3-shaped sample) through the same Spark passes -------------------------------------
 @pytest.fixture(scope="module")
-def pairs(ray_local, tmp_path_factory):
-    """The HelpSteer3-shaped sample enriched on Spark in the module's Ray, read back with pyarrow."""
+def pairs(spark, tmp_path_factory):
+    """The HelpSteer3-shaped sample enriched in the module's Spark session, read back with pyarrow."""
     import gzip
 
-    from raytrain.enrich.pair_job import run_enrich_pairs
+    from raytrain.enrich.pair_inputs import discover_pair_inputs
+    from raytrain.enrich.pair_job import enrich_pairs_in_session
+    from raytrain.enrich.plan import load_eval_texts
     from raytrain.sample_data.preference import write_preference_sample
 
     root = tmp_path_factory.mktemp("pairs")
     sample = write_preference_sample(str(root / "sample"))
     job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2"])
-    result = run_enrich_pairs(job, resolve(sample.train_path.rsplit("/preference/", 1)[0]),
-                              resolve(str(root / "run")), eval_sets=(sample.eval_path,))
+    input_root = resolve(str(root / "sample"))
+    evals = load_eval_texts((sample.eval_path,), input_root, None)
+    result = enrich_pairs_in_session(spark, job, discover_pair_inputs(input_root), evals, resolve(str(root / "run")))
     lines = {split: [json.loads(line) for line in gzip.open(path, "rt", encoding="utf-8")]
              for split, path in (("train", sample.train_path), ("validation", sample.validation_path))}
     return SimpleNamespace(job=job, sample=sample, result=result, lines=lines,
