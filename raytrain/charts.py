@@ -80,7 +80,8 @@ def loss_chart(metrics: list[dict], out_path: str) -> str:
     """Training loss per step, with the eval and benchmark losses at the steps that measured them."""
     if not metrics:
         raise RaytrainError("no step metrics to draw a loss chart from")
-    fig, ax = _figure("loss", "step", "loss (nats per target token)")
+    preference = any("rewards/margins" in m for m in metrics)
+    fig, ax = _figure("loss", "step", "DPO loss (mean over pairs)" if preference else "loss (nats per target token)")
     steps, loss = _series(metrics, "loss")
     ax.plot(steps, loss, marker=".", label="training loss")
     for key, label, marker in (("validation_loss", "validation loss (held out)", "o"),
@@ -100,6 +101,25 @@ def lr_chart(metrics: list[dict], out_path: str) -> str:
     steps, lr = _series(metrics, "lr")
     ax.plot(steps, lr, marker=".")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    return _save(fig, out_path)
+
+
+def rewards_chart(metrics: list[dict], out_path: str) -> str:
+    """DPO: the reward margin and accuracy per step (TRL's rewards/margins, rewards/accuracies), training and held
+    out."""
+    fig, ax = _figure("preference rewards", "step", "reward margin (chosen - rejected)")
+    accuracy = ax.twinx()
+    accuracy.set_ylabel("reward accuracy")
+    accuracy.set_ylim(-0.05, 1.05)
+    for prefix, label, marker in (("", "training", "."), ("validation/", "validation (held out)", "o")):
+        steps, margins = _series(metrics, prefix + "rewards/margins")
+        if steps:
+            ax.plot(steps, margins, marker=marker, label=f"{label} margin")
+            steps, acc = _series(metrics, prefix + "rewards/accuracies")
+            accuracy.plot(steps, acc, marker=marker, linestyle=":", label=f"{label} accuracy")
+    lines = ax.get_legend_handles_labels()
+    more = accuracy.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right")
     return _save(fig, out_path)
 
 
@@ -163,11 +183,17 @@ def read_enriched(enriched_dir: str) -> tuple[dict[str, np.ndarray], SelectionSc
     """Token lengths per split and the selection scores from the enriched Parquet folder."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(enriched_dir, columns=["split", "num_tokens", "sentence_scores", "kept_indices",
-                                                 "question_scores", "answer_scores"])
+    names = pq.read_schema(next(os.path.join(enriched_dir, n) for n in sorted(os.listdir(enriched_dir))
+                                if n.endswith(".parquet"))).names
+    selection = ["sentence_scores", "kept_indices", "question_scores", "answer_scores"]
+    table = pq.read_table(enriched_dir, columns=["split", "num_tokens",
+                                                 *(selection if "sentence_scores" in names else [])])
     splits = np.asarray(table.column("split").to_pylist())
     tokens = np.asarray(table.column("num_tokens").to_pylist(), dtype=np.int64)
     lengths = {str(s): tokens[splits == s] for s in np.unique(splits)}
+    if "sentence_scores" not in names:  # preference pairs: no context selection
+        empty = np.zeros(0, dtype=np.float64)
+        return lengths, SelectionScores(empty, empty, empty, empty)
     all_scores: list[float] = []
     kept: list[float] = []
     for row_scores, row_kept in zip(table.column("sentence_scores").to_pylist(),
@@ -193,6 +219,8 @@ def write_run_charts(run_dir: str, seq_len: int | None = None) -> list[str]:
         if metrics:
             written.append(loss_chart(metrics, os.path.join(out_dir, "loss.png")))
             written.append(lr_chart(metrics, os.path.join(out_dir, "lr.png")))
+            if any("rewards/margins" in m for m in metrics):
+                written.append(rewards_chart(metrics, os.path.join(out_dir, "rewards.png")))
     enriched = os.path.join(run_dir, "data", "enriched")
     if os.path.isdir(enriched) and any(n.endswith(".parquet") for n in os.listdir(enriched)):
         lengths, scores = read_enriched(enriched)

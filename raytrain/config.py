@@ -276,6 +276,35 @@ class DatasetConfig:
         return out
 
 
+DPO_LOSSES = ("sigmoid", "ipo", "robust")
+"""train.dpo.loss, as TRL names them: sigmoid (DPO's Bradley-Terry loss), ipo (IPO's squared loss on per-token log
+ratios), robust (robust DPO: the sigmoid loss unbiased for labels flipped with probability label_smoothing)."""
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    """Preference training (train.objective: dpo), with TRL's meanings (raytrain.pipeline.dpo)."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference: the rewards are beta times the log ratios (IPO's tau)."""
+    loss: str = "sigmoid"
+    """One of sigmoid, ipo, robust."""
+    label_smoothing: float = 0.0
+    """The probability that a pair's preference is flipped, in [0, 0.5): only the robust loss reads it."""
+    sft_weight: float = 0.0
+    """Weight of an NLL term on the chosen responses' tokens (their mean over the global batch)."""
+
+    def __post_init__(self) -> None:
+        _require(self.beta > 0, "train.dpo.beta", f"{self.beta}: must be > 0 (TRL's default is 0.1)")
+        _require(self.loss in DPO_LOSSES, "train.dpo.loss", f"{self.loss!r}: choose one of {list(DPO_LOSSES)}")
+        _require(0 <= self.label_smoothing < 0.5, "train.dpo.label_smoothing", f"{self.label_smoothing}: must be "
+                 "in [0, 0.5)")
+        _require(not self.label_smoothing or self.loss == "robust", "train.dpo.label_smoothing",
+                 f"{self.label_smoothing} has no effect on the {self.loss} loss; use train.dpo.loss=robust (robust "
+                 "DPO reads it) or set label_smoothing to 0")
+        _require(self.sft_weight >= 0, "train.dpo.sft_weight", f"{self.sft_weight}: must be >= 0")
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters (LoRA, peft's layers) on the decoder layers' projections; the base weights stay frozen."""
@@ -324,6 +353,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    objective: str = "sft"
+    """sft (supervised fine-tuning on conversations) or dpo (preference pairs: input.path holds HelpSteer3's
+    preference files, 'sample' a generated HelpSteer3-shaped sample)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """The DPO loss's settings (read when objective is dpo)."""
     pp: int = 2
     """Pipeline stages (one TorchTrainer worker hosts one stage)."""
     dp: int = 1
@@ -399,6 +433,7 @@ class TrainConfig:
     """Peak dense TFLOP/s per worker for the MFU estimate (0 = not reported: CPUs have no meaningful peak here)."""
 
     def __post_init__(self) -> None:
+        _require(self.objective in ("sft", "dpo"), "train.objective", f"{self.objective!r}: choose 'sft' or 'dpo'")
         for name in ("pp", "dp", "micro_batch_size", "grad_accum_steps", "max_steps", "checkpoint_every", "keep_last"):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the last step)")
@@ -479,6 +514,11 @@ class JobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
+        _require(self.train.objective != "dpo" or not self.enrich.context_corpus, "enrich.context_corpus",
+                 "context from a corpus is not added to preference pairs (train.objective=dpo): set it to []")
+        _require(self.train.objective != "dpo" or not self.storage.init_from_run, "storage.init_from_run",
+                 "train.objective=dpo starts from step 0 of its own: export the run to start from (`raytrain "
+                 "export`) and set model.init_from to that folder")
         _require(self.model.attn_impl != "flex" or self.train.use_gpu, "model.attn_impl",
                  "'flex' needs GPUs (train.use_gpu=true): torch has no FlexAttention backward on the CPU; "
                  "use 'segment' (exact, no mask) or 'dense' on CPUs")
@@ -513,6 +553,8 @@ class JobConfig:
         # rename keep their enriched and packed data
         legacy = dict(sections.pop("input"))
         legacy["input_path"] = legacy.pop("path")
+        if self.train.objective != "sft":  # preference pairs are other data from the same input settings
+            sections["objective"] = self.train.objective
         return _short_hash({"data": legacy, **sections})
 
 

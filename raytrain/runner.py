@@ -202,22 +202,29 @@ def _init_embedded(num_cpus: int, runtime_env: dict[str, Any], dashboard: bool) 
     return ray.init(include_dashboard=False, **kwargs)
 
 
+def _preference(job: JobConfig) -> bool:
+    return job.train.objective == "dpo"
+
+
 def stage_input(run: Run) -> StorageLocation:
-    """The input root; 'sample' generates the shipped sample dataset inside the run (deterministic)."""
+    """The input root; 'sample' generates the shipped sample dataset inside the run (deterministic): the
+    Nemotron-shaped one, or for train.objective=dpo the HelpSteer3-shaped one."""
     if run.job.input.path != "sample":
         return resolve(run.job.input.path, s3_endpoint=run.job.storage.s3_endpoint or None)
     from raytrain.sample_data import write_sample_dataset
+    from raytrain.sample_data.preference import write_preference_sample
 
-    target = run.paths.sample
+    write = write_preference_sample if _preference(run.job) else write_sample_dataset
+    target = run.paths.data.join(PREFERENCE_SAMPLE) if _preference(run.job) else run.paths.sample
     if target.join("_SUCCESS").exists():
         return target
     if target.is_posix:
-        write_sample_dataset(target.path)
+        write(target.path)
     else:  # object store / HDFS: write locally, then copy up
         import pyarrow.fs as pafs
 
         with tempfile.TemporaryDirectory() as tmp:
-            write_sample_dataset(tmp)
+            write(tmp)
             pafs.copy_files(tmp, target.path, source_filesystem=pafs.LocalFileSystem(),
                             destination_filesystem=target.filesystem)
     target.join("_SUCCESS").write_atomic("")
@@ -225,12 +232,14 @@ def stage_input(run: Run) -> StorageLocation:
     return target
 
 
+PREFERENCE_SAMPLE = "preference-sample"
+"""The HelpSteer3-shaped sample's folder under the run's data/ (train.objective=dpo, input.path=sample)."""
+
+
 def eval_set_paths(run: Run, input_root: StorageLocation) -> tuple[str, ...]:
     """enrich.eval_sets with 'sample' replaced by the sample dataset's eval set."""
-    out = []
-    for p in run.job.enrich.eval_sets:
-        out.append(input_root.join("eval", "eval_set.jsonl").uri if p == "sample" else p)
-    return tuple(out)
+    name = "preference_eval_set.jsonl" if _preference(run.job) else "eval_set.jsonl"
+    return tuple(input_root.join("eval", name).uri if p == "sample" else p for p in run.job.enrich.eval_sets)
 
 
 def check_init_from_run(job: JobConfig) -> None:
@@ -268,6 +277,13 @@ def run_enrich_and_pack(run: Run):
         return packed
     input_root = stage_input(run)
     eval_sets = eval_set_paths(run, input_root)
+    if _preference(run.job):
+        from raytrain.dataset.stream import pack_enriched_pairs
+        from raytrain.enrich.pair_job import run_enrich_pairs
+
+        result = run_enrich_pairs(run.job, input_root, run.root, eval_sets=eval_sets)
+        write_report(run, "enrich_report.json", result.report)
+        return pack_enriched_pairs(result.enriched, packed_loc, run.job.dataset, run.data_hash)
     plan = _PLANS.pop((run.root.uri, run.job.config_hash()), None)  # preflight's, when it could plan
     result = run_enrich(run.job, input_root, run.root, eval_sets=eval_sets, plan=plan)
     write_report(run, "enrich_report.json", result.report)
@@ -450,6 +466,13 @@ def _plan_enrichment_early(run: Run) -> None:
 
     job, s3_endpoint = run.job, run.job.storage.s3_endpoint or None
     input_root = resolve(job.input.path, s3_endpoint=s3_endpoint)
+    if _preference(job):
+        if job.input.path != "sample":
+            from raytrain.enrich.pair_inputs import discover_pair_inputs
+
+            for line in discover_pair_inputs(input_root).describe():
+                log.info("%s", line)
+        return
     if job.input.path != "sample" and "sample" not in job.enrich.context_corpus:
         plan = plan_enrichment(job, input_root, eval_set_paths(run, input_root))
         for line in plan.inputs.describe():

@@ -23,6 +23,8 @@ from raytrain.storage import resolve
 
 SEQUENCE_COLUMNS = ("input_ids", "position_ids", "segment_ids", "labels")
 READ_COLUMNS = (*SEQUENCE_COLUMNS, "doc_ids")
+PAIR_COUNT_COLUMNS = ("num_pairs", "chosen_targets")
+"""A preference pack's counts (raytrain.dataset.pair_pack.pair_pack_batch); its ``pair_segments`` is read with it."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class PackCounts:
 
     num_tokens: np.ndarray  # (num_packs,) int64
     num_targets: np.ndarray  # (num_packs,) int64
+    num_pairs: np.ndarray | None = None
+    """(num_packs,) int64 preference pairs per pack (packs of raytrain.dataset.pair_pack); None for conversations."""
+    chosen_targets: np.ndarray | None = None
+    """(num_packs,) int64 target tokens of the chosen responses (pair packs); None for conversations."""
 
     @property
     def num_packs(self) -> int:
@@ -76,20 +82,25 @@ class PackReader:
     def counts(self) -> PackCounts:
         """Real and target tokens of every pack (reads the small ``num_tokens`` / ``num_targets`` columns; packs
         written before ``num_targets`` existed are counted from their labels)."""
-        tokens, targets = [], []
+        tokens, targets, pairs, chosen = [], [], [], []
         for i in range(len(self._paths)):
             f = self._file(i)
             names = f.schema_arrow.names
             columns = ["num_tokens", "num_targets"] if "num_targets" in names else ["num_tokens", "labels"]
-            t = f.read(columns=columns)
+            t = f.read(columns=columns + [c for c in PAIR_COUNT_COLUMNS if c in names])
             tokens.append(t.column("num_tokens").to_numpy())
             if "num_targets" in names:
                 targets.append(t.column("num_targets").to_numpy())
             else:
                 targets.append((_sequences(t.column("labels")) != -100).sum(axis=1))
+            if "num_pairs" in names:
+                pairs.append(t.column("num_pairs").to_numpy())
+                chosen.append(t.column("chosen_targets").to_numpy())
         if not tokens:
             return PackCounts(np.zeros(0, np.int64), np.zeros(0, np.int64))
-        return PackCounts(np.concatenate(tokens).astype(np.int64), np.concatenate(targets).astype(np.int64))
+        return PackCounts(np.concatenate(tokens).astype(np.int64), np.concatenate(targets).astype(np.int64),
+                          np.concatenate(pairs).astype(np.int64) if pairs else None,
+                          np.concatenate(chosen).astype(np.int64) if chosen else None)
 
     def read(self, packs: Sequence[int]) -> dict[str, np.ndarray]:
         """The packs ``packs`` (indices into the fixed order), in that order, as a numpy batch: the four
@@ -106,10 +117,12 @@ class PackReader:
             g = int(np.searchsorted(starts, in_file, side="right") - 1)
             key = (f, g)
             if key not in tables:
-                tables[key] = self._file(f).read_row_group(g, columns=list(READ_COLUMNS))
+                columns = [*READ_COLUMNS, *(["pair_segments"] if "pair_segments" in self._file(f).schema_arrow.names
+                                            else [])]
+                tables[key] = self._file(f).read_row_group(g, columns=columns)
                 md = self._file(f).metadata.row_group(g)
                 self.bytes_read += sum(md.column(c).total_compressed_size for c in range(md.num_columns)
-                                       if md.column(c).path_in_schema.split(".")[0] in READ_COLUMNS)
+                                       if md.column(c).path_in_schema.split(".")[0] in columns)
             rows.append((key, in_file - int(starts[g])))
         self.packs_read += len(packs)
         if not rows:
@@ -117,6 +130,8 @@ class PackReader:
         picked = pa.concat_tables([tables[key].slice(offset, 1) for key, offset in rows]).combine_chunks()
         out: dict[str, np.ndarray] = {name: _sequences(picked.column(name)) for name in SEQUENCE_COLUMNS}
         out["doc_ids"] = np.array(picked.column("doc_ids").to_pylist(), dtype=object)
+        if "pair_segments" in picked.column_names:
+            out["pair_segments"] = _sequences(picked.column("pair_segments"))
         out["pack_index"] = packs
         return out
 

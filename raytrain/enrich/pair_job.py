@@ -6,8 +6,8 @@ out, with a manifest and a report, through the same doors as the fine-tune's row
 
 Outputs, under the run's ``data/`` folder: ``data/enriched/part-*.parquet`` (pair_passes.ENRICHED_COLUMNS: the
 prompt's tokens once, each response's, the margin), ``data/quarantine/part-*.parquet`` (uuid, split, domain,
-language, reason, detail), ``data/enriched/_manifest.json`` last; ``reports/enrich_summary.txt`` and
-``reports/enrich_report.json``. Every line in is a kept pair or a quarantined row, checked on the written footers.
+language, reason, detail), ``data/enriched/_manifest.json`` last; ``reports/enrich_summary.txt`` here,
+``reports/enrich_report.json`` by the runner (the report dict). Every line in is a kept pair or a quarantined row, checked on the written footers.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ def enrich_pairs_in_session(spark, job: JobConfig, inputs: PairInputFiles, evals
                 "eval_sets": evals.sources, "config": {k: job.to_dict()[k] for k in ("input", "enrich", "dataset")}}
     paths.enriched.join(MANIFEST).write_atomic(json.dumps(manifest, indent=2, sort_keys=True))
     paths.reports.mkdirs()
-    paths.reports.join("enrich_report.json").write_atomic(json.dumps(report, indent=2, sort_keys=True))
     paths.reports.join("enrich_summary.txt").write_atomic(pair_summary_text(report))
     log.info("enrich: %d pairs in -> %d kept, %d quarantined (%s)", rows_in, report["rows_out"], quarantine_rows,
              ", ".join(f"{k} {v}" for k, v in report["quarantined"].items()) or "none")

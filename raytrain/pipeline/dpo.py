@@ -17,40 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from raytrain.config import DpoConfig
 from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
-from raytrain.errors import ConfigError
-from raytrain.pipeline.model import LOSS_CHUNK_TOKENS
-
-LOSSES = ("sigmoid", "ipo", "robust")
-"""The pair losses, as TRL names them: sigmoid (DPO's Bradley-Terry loss), ipo (IPO's squared loss on per-token
-log ratios), robust (robust DPO: the sigmoid loss unbiased for labels flipped with probability label_smoothing)."""
-
-
-@dataclass(frozen=True)
-class DpoSettings:
-    """``train.dpo`` of a job config."""
-
-    beta: float = 0.1
-    """How far the policy may move from the reference: the rewards are beta times the log ratios (IPO's tau)."""
-    loss: str = "sigmoid"
-    """One of LOSSES."""
-    label_smoothing: float = 0.0
-    """The probability that a pair's preference is flipped, in [0, 0.5): only the robust loss reads it."""
-    sft_weight: float = 0.0
-    """Weight of an NLL term on the chosen responses' tokens (their mean over the batch), added to the pair loss."""
-
-    def __post_init__(self) -> None:
-        if not self.beta > 0:
-            raise ConfigError(f"train.dpo.beta must be > 0, got {self.beta}.")
-        if self.loss not in LOSSES:
-            raise ConfigError(f"train.dpo.loss must be one of {', '.join(LOSSES)}, got {self.loss!r}.")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"train.dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}.")
-        if self.label_smoothing and self.loss != "robust":
-            raise ConfigError(f"train.dpo.label_smoothing={self.label_smoothing} has no effect on the {self.loss} "
-                              "loss; use train.dpo.loss=robust (robust DPO reads it) or set label_smoothing to 0.")
-        if self.sft_weight < 0:
-            raise ConfigError(f"train.dpo.sft_weight must be >= 0, got {self.sft_weight}.")
+from raytrain.pipeline.model import LOSS_CHUNK_TOKENS, causal_lm_loss
 
 
 def _chunk_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -99,7 +68,7 @@ class PairLosses:
 
 
 def pair_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-                ref_rejected_logps: torch.Tensor, settings: DpoSettings, *,
+                ref_rejected_logps: torch.Tensor, settings: DpoConfig, *,
                 chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None) -> PairLosses:
     """The pair loss of ``settings.loss`` for P pairs of summed response log-probabilities (each (P,)).
 
@@ -174,7 +143,7 @@ def pair_logps(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Te
     return gathered[0], gathered[1]
 
 
-def micro_batch_loss(logits: torch.Tensor, pairs: PackedPairs, settings: DpoSettings, *,
+def micro_batch_loss(logits: torch.Tensor, pairs: PackedPairs, settings: DpoConfig, *,
                      pair_scale: float | torch.Tensor, sft_scale: float | torch.Tensor = 0.0
                      ) -> tuple[torch.Tensor, dict[str, float]]:
     """The DPO loss of one micro-batch: the sum of its pair losses times ``pair_scale``, plus ``sft_weight`` times
@@ -209,12 +178,14 @@ class DpoLoss:
     step or an evaluation, for the loop to add up over dp and report as means. ``recording`` turns it into the
     reference pass."""
 
-    def __init__(self, settings: DpoSettings) -> None:
+    def __init__(self, settings: DpoConfig) -> None:
         self.settings = settings
         self.sums: dict[str, float] = {}
         self.recorded: list[torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if len(labels) == 2:  # a fine-tune micro-batch (labels, loss_scale): the generations' forwards send them
+            return causal_lm_loss(logits, labels)
         targets, segment_ids, pair_segments, ref_logps, scales = labels
         if self.recorded is not None:  # the reference pass: keep each micro-batch's pair log-probabilities
             logps, _ = pair_logps(logits, targets, segment_ids, pair_segments)

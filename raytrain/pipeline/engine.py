@@ -283,13 +283,17 @@ def init_distributed(backend: str) -> None:
 def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, pp: int, dp: int,
                        partition_method: str, activation_checkpoint_interval: int, seed: int,
                        init_from: str = "", attn_impl: str = "dense",
-                       activation_checkpoint_reentrant: bool = False, lora: LoraConfig | None = None) -> StageEngine:
+                       activation_checkpoint_reentrant: bool = False, lora: LoraConfig | None = None,
+                       loss_fn: Any = None) -> StageEngine:
     """This process's stage in a DeepSpeed engine: built, loaded from ``init_from`` (a Hugging Face folder) when
-    given, with LoRA adapters on a frozen base when ``lora.rank`` > 0 (only the adapters reach the optimizer)."""
+    given, with LoRA adapters on a frozen base when ``lora.rank`` > 0 (only the adapters reach the optimizer).
+    ``loss_fn``: the last stage's loss (``raytrain.pipeline.dpo.DpoLoss`` for preference training; None = the
+    fine-tune's token loss)."""
     topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     module = build_pipeline_module(model_cfg, pp, topology=topology, partition_method=partition_method,
                                    activation_checkpoint_interval=activation_checkpoint_interval, seed=seed,
-                                   attn_impl=attn_impl, activation_checkpoint_reentrant=activation_checkpoint_reentrant)
+                                   attn_impl=attn_impl, activation_checkpoint_reentrant=activation_checkpoint_reentrant,
+                                   **({"loss_fn": loss_fn} if loss_fn is not None else {}))
     if init_from:
         from raytrain.pipeline.hf_io import load_hf_into_stage
 

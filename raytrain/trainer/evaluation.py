@@ -73,9 +73,11 @@ class Evaluator:
     evaluated whole, dp replicas sharing its micro-batches; a data-reading rank reads its micro-batches once and
     keeps them in memory. Every ``eval_every`` steps and at the last step."""
 
-    def __init__(self, stage: Any, topo: Topology, job: JobConfig, sources: dict[str, PackSource]) -> None:
+    def __init__(self, stage: Any, topo: Topology, job: JobConfig, sources: dict[str, PackSource],
+                 ref_logps: dict[str, Any] | None = None) -> None:
         self.stage, self.topo, self.tc = stage, topo, job.train
         self.sources = sources  # metric name -> its packs
+        self.ref_logps = ref_logps or {}  # metric name -> its packs' reference log-probabilities (preference packs)
         self._own: dict[str, list[Any]] = {}
 
     def due(self, step: int, end_step: int) -> bool:
@@ -85,7 +87,13 @@ class Evaluator:
     def run(self) -> dict[str, float]:
         """Every set's loss, plus ``eval_time_s``."""
         t0 = time.perf_counter()
-        out = {metric: self._loss(metric) for metric in self.sources}
+        out: dict[str, float] = {}
+        for metric in self.sources:
+            out[metric] = self._loss(metric)
+            if metric in self.ref_logps:  # DPO: TRL's metrics on the held-out pairs too
+                from raytrain.trainer.preference import pair_metrics
+
+                out.update(pair_metrics(self.stage, prefix=metric.removesuffix("_loss") + "/"))
         out["eval_time_s"] = time.perf_counter() - t0
         return out
 
@@ -98,7 +106,7 @@ class Evaluator:
                 total = source.num_packs
                 batches = (source.read(range(i, min(i + mbs, total))) for i in range(0, total, mbs))
                 own, _targets = validation_micro_batches(batches, micro_batch_size=mbs, dp_rank=self.topo.dp_rank,
-                                                         dp=dp)
+                                                         dp=dp, ref_logps=self.ref_logps.get(metric))
                 assert len(own) == count, f"{metric}: read {len(own)} micro-batches, expected {count}"
                 self._own[metric] = own
             eval_iter = iter(self._own[metric])

@@ -128,6 +128,7 @@ def micro_batches(
     seed: int = 0,
     shuffle: bool = False,
     trace: FeedTrace | None = None,
+    ref_logps: np.ndarray | None = None,
 ) -> Iterator[MicroBatch]:
     """Endless micro-batches for replica ``dp_rank``, starting at global micro-batch ``start_position`` (a step
     boundary).
@@ -137,6 +138,10 @@ def micro_batches(
     epoch's order (``epoch_order``). Only this replica's micro-batches are read; the step's loss scale comes from
     the target counts of all dp * m micro-batches (``counts``), so every replica and both data-reading stages of a
     pipeline use the same one (module docstring).
+
+    Preference packs (``ref_logps``: every pack's reference log-probabilities, (num_packs, 2 * max_pairs)): each
+    micro-batch is ``to_pair_micro_batch``'s, scaled by the step's pairs and chosen target tokens (``counts``), so a
+    step's loss is the mean over the global batch's pairs.
     """
     mbs = micro_batch_size
     per_epoch = counts.num_packs // mbs
@@ -170,6 +175,9 @@ def micro_batches(
         every = np.concatenate(step_packs)
         targets = int(counts.num_targets[every].sum())
         loss_scale = per_step / targets if targets else 0.0  # no target in the step: every loss sum is 0 anyway
+        if ref_logps is not None:
+            pair_scale, sft_scale = _pair_scales(per_step, int(counts.num_pairs[every].sum()),
+                                                 int(counts.chosen_targets[every].sum()))
         if trace is not None:
             trace.step_tokens.append(int(counts.num_tokens[every].sum()))
             trace.step_targets.append(targets)
@@ -181,26 +189,53 @@ def micro_batches(
                 raise RuntimeError(f"micro-batch {g}: read packs {list(batch['pack_index'])}, expected {list(packs)}")
             if trace is not None:
                 trace.consumed.append((g, _digest(batch["doc_ids"])))
-            yield to_micro_batch(batch, loss_scale)
+            if ref_logps is not None:
+                yield to_pair_micro_batch({**batch, "ref_logps": ref_logps[np.asarray(batch["pack_index"])]},
+                                          pair_scale, sft_scale)
+            else:
+                yield to_micro_batch(batch, loss_scale)
         position += per_step
 
 
+def _pair_scales(per_step: int, pairs: int, chosen_targets: int) -> tuple[float, float]:
+    """(pair_scale, sft_scale) of a set of dp * m micro-batches (``per_step``) holding ``pairs`` pairs and
+    ``chosen_targets`` chosen target tokens: DeepSpeed's averaging then leaves the mean over the pairs."""
+    return (per_step / pairs if pairs else 0.0), (per_step / chosen_targets if chosen_targets else 0.0)
+
+
+def pair_counts(batch: dict[str, np.ndarray]) -> tuple[int, int]:
+    """(pairs, chosen target tokens) of a numpy batch of preference packs."""
+    table = _column(batch, "pair_segments").reshape(len(batch["doc_ids"]), -1, 2)  # (B, P, 2)
+    segments, labels = _column(batch, "segment_ids"), _column(batch, "labels")
+    chosen = sum(int((np.isin(segments[row], table[row, :, 0][table[row, :, 0] >= 0])
+                      & (labels[row] != IGNORE_INDEX)).sum()) for row in range(len(table)))
+    return int((table[:, :, 0] >= 0).sum()), chosen
+
+
 def validation_micro_batches(batches: Iterable[dict[str, np.ndarray]], *, micro_batch_size: int, dp_rank: int,
-                             dp: int) -> tuple[list[MicroBatch], int]:
+                             dp: int, ref_logps: np.ndarray | None = None) -> tuple[list[MicroBatch], int]:
     """This replica's share of the whole validation set for DeepSpeed's ``eval_batch``, and the set's target count.
 
     ``batches``: the validation packs in their fixed order, ``micro_batch_size`` rows each (the last may be short).
     Micro-batch k goes to replica k % dp; a short one is filled with padding rows (no targets) so every micro-batch
     has the training shape. Each carries ``loss_scale = n * dp / targets`` (n = this replica's micro-batches,
     targets = the whole set's): ``eval_batch`` averages the n losses and then the dp replicas, which leaves the
-    token mean over the whole validation set, whatever n each replica got.
+    token mean over the whole validation set, whatever n each replica got. Preference packs (``ref_logps`` by pack
+    index): the pair micro-batches of ``to_pair_micro_batch``, scaled the same way by the set's pairs.
     """
     own: list[dict[str, np.ndarray]] = []
-    targets = 0
+    targets, pairs, chosen = 0, 0, 0
     for index, batch in enumerate(batches):
         targets += count_targets(batch)
+        if ref_logps is not None:
+            batch = {**batch, "ref_logps": ref_logps[np.asarray(batch["pack_index"])]}
+            batch_pairs, batch_chosen = pair_counts(batch)
+            pairs, chosen = pairs + batch_pairs, chosen + batch_chosen
         if index % dp == dp_rank:
             own.append(_pad_rows(batch, micro_batch_size))
+    if ref_logps is not None:
+        pair_scale, sft_scale = _pair_scales(len(own) * dp, pairs, chosen)
+        return [to_pair_micro_batch(batch, pair_scale, sft_scale) for batch in own], targets
     loss_scale = len(own) * dp / targets if targets else 0.0
     return [to_micro_batch(batch, loss_scale) for batch in own], targets
 
@@ -216,4 +251,8 @@ def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
               for name, value in fill.items()}
     padded["doc_ids"] = np.concatenate([np.asarray(batch["doc_ids"], dtype=object),
                                         np.array([""] * (rows - have), dtype=object)])
+    for name, value in (("pair_segments", -1), ("ref_logps", 0.0)):  # preference packs: empty pair slots
+        if name in batch:
+            column = np.asarray(_column(batch, name))
+            padded[name] = np.concatenate([column, np.full((rows - have, column.shape[1]), value, dtype=column.dtype)])
     return padded

@@ -32,6 +32,7 @@ from raytrain.storage import RunPaths, StorageLocation, apply_run_umask, resolve
 from raytrain.trainer.evaluation import Evaluator, Generations, OpenPacks, PackedFiles, PackSource
 from raytrain.trainer.feed import FeedTrace, micro_batches
 from raytrain.trainer.metrics_sink import MetricsSink
+from raytrain.trainer.preference import pair_metrics
 from raytrain.trainer.schedule import Topology, check_resume_position, data_position
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,16 @@ def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
     torch.manual_seed(tc.seed)
     init_distributed("nccl" if tc.use_gpu else "gloo")
     model_cfg = model_config(job.model.preset, job.model.init_from)
+    loss_fn = None
+    if tc.objective == "dpo":
+        from raytrain.pipeline.dpo import DpoLoss
+
+        loss_fn = DpoLoss(tc.dpo)
     stage = build_stage_engine(model_cfg, cfg.ds_config, pp=tc.pp, dp=tc.dp, partition_method=tc.partition_method,
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,
                                activation_checkpoint_reentrant=tc.activation_checkpoint_reentrant,
                                seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl,
-                               lora=job.model.lora)
+                               lora=job.model.lora, loss_fn=loss_fn)
     endpoint = job.storage.s3_endpoint or None
     apply_run_umask()  # DeepSpeed's and torch.save's files: 0640 (a worker on another node has the node's umask)
     store = CheckpointStore(resolve(cfg.run_uri, s3_endpoint=endpoint), keep_last=tc.keep_last,
@@ -95,12 +101,14 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
     job, tc = cfg.job, cfg.job.train
     topo = Topology(pp=stage.num_stages, dp=stage.num_replicas, stage=stage.stage, dp_rank=stage.dp_rank,
                     world_rank=stage.world_rank)
-    step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc, RunPaths(store.run_root).reports)
     train_packs = open_packs(cfg.packed)
-    feed = _Feed(train_packs, topo, tc, step) if topo.needs_data else None
     held = {metric: open_packs(packed) for metric, packed in (("validation_loss", cfg.validation),
                                                               ("benchmark_loss", cfg.benchmark)) if packed}
-    evaluator = Evaluator(stage, topo, job, held)
+    refs = _reference_logps(cfg, stage, topo, store, train_packs, held) if tc.objective == "dpo" else None
+    step, resumed_metrics = _resume(stage, _resume_source(store, job), topo, tc, RunPaths(store.run_root).reports)
+    feed = _Feed(train_packs, topo, tc, step, refs["train"] if refs else None) if topo.needs_data else None
+    evaluator = Evaluator(stage, topo, job, held, {"validation_loss": refs["validation"]}
+                          if refs and "validation" in refs else None)
     generations = Generations(stage, job, topo, held["validation_loss"], cfg.local_reports_dir) \
         if tc.generation_tokens and "validation_loss" in held else None
     sink = MetricsSink(job, topo, cfg.local_reports_dir, step, {m: s.num_packs for m, s in held.items()}, report)
@@ -113,6 +121,8 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
             loss = stage.train_batch(feed.iterator if feed else None)
             step += 1
             metrics = clock.metrics(step, end_step, loss, time.perf_counter() - t0, stage, feed)
+            if refs is not None:
+                metrics.update(pair_metrics(stage))
             if evaluator.due(step, end_step):
                 metrics.update(evaluator.run())
             sink.step(metrics, feed.consumed_since(consumed_before) if feed else [])
@@ -131,17 +141,28 @@ def train(cfg: LoopConfig, stage: Any, store: CheckpointStore, open_packs: OpenP
     return step
 
 
+def _reference_logps(cfg: LoopConfig, stage: Any, topo: Topology, store: CheckpointStore, train_packs: PackSource,
+                     held: dict[str, PackSource]) -> dict[str, Any]:
+    """train.objective=dpo: every training and validation pack's reference log-probabilities, scored with the
+    starting weights (this runs before any checkpoint is loaded) or read from the run (raytrain.trainer.preference)."""
+    from raytrain.trainer.preference import reference_key, reference_logps
+
+    sets = {"train": train_packs, **({"validation": held["validation_loss"]} if "validation_loss" in held else {})}
+    folder = RunPaths(store.run_root).data.join("reference", reference_key(cfg.job, cfg.packed.uri))
+    return reference_logps(stage, topo, cfg.job, sets, folder, store.check_fence)
+
+
 class _Feed:
     """This replica's training micro-batches from ``step`` on (raytrain.trainer.feed), with what it consumed."""
 
-    def __init__(self, packs: PackSource, topo: Topology, tc: Any, step: int) -> None:
+    def __init__(self, packs: PackSource, topo: Topology, tc: Any, step: int, ref_logps: Any = None) -> None:
         self.packs, self.trace = packs, FeedTrace()
         self.counts = packs.counts()
         self.iterator = micro_batches(self.counts, lambda own: packs.stream(own, tc.micro_batch_size),
                                       micro_batch_size=tc.micro_batch_size,
                                       start_position=data_position(step, tc.dp, tc.grad_accum_steps),
                                       dp_rank=topo.dp_rank, dp=tc.dp, grad_accum_steps=tc.grad_accum_steps,
-                                      seed=tc.seed, shuffle=tc.shuffle, trace=self.trace)
+                                      seed=tc.seed, shuffle=tc.shuffle, trace=self.trace, ref_logps=ref_logps)
 
     def consumed_count(self) -> int:
         return len(self.trace.consumed)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from raytrain.config import JobConfig
+from raytrain.pipeline.dpo import METRICS as PAIR_METRICS
 from raytrain.pipeline.lora import model_parameter_counts
 from raytrain.telemetry import record_train_step
 from raytrain.trainer.schedule import Topology
@@ -83,11 +84,12 @@ class MetricsSink:
     def _console(self, m: dict[str, Any]) -> None:
         max_steps = self.job.train.max_steps
         grad_norm = f" grad norm {m['grad_norm']:.3f}" if m["grad_norm"] is not None else ""
-        print(f"[raytrain] step {m['step']}/{max_steps} loss {m['loss']:.4f} lr {m['lr']:.2e}{grad_norm} "
-              f"{m['real_tokens_per_s'] or m['tokens_per_s']:,.0f} tok/s {m['step_time_s']:.2f}s "
+        print(f"[raytrain] step {m['step']}/{max_steps} loss {m['loss']:.4f}{_rewards(m)} lr {m['lr']:.2e}"
+              f"{grad_norm} {m['real_tokens_per_s'] or m['tokens_per_s']:,.0f} tok/s {m['step_time_s']:.2f}s "
               f"eta {m['eta_s']:.0f}s", flush=True)
         if "eval_time_s" in m:
-            parts = [f"{label} {m[metric]:.4f} on {self.eval_sizes[metric]} {what}"
+            parts = [f"{label} {m[metric]:.4f}{_rewards(m, metric.removesuffix('_loss') + '/')} on "
+                     f"{self.eval_sizes[metric]} {what}"
                      for metric, (label, what, _tag) in EVAL_LABELS.items() if metric in m]
             print(f"[raytrain] step {m['step']}/{max_steps} {', '.join(parts)} ({m['eval_time_s']:.1f}s)",
                   flush=True)
@@ -100,7 +102,18 @@ class MetricsSink:
         for metric, (_label, _what, tag) in EVAL_LABELS.items():
             if metric in m:
                 self.board.add_scalar(tag, m[metric], m["step"])
+        for prefix in ("", "validation/"):  # DPO: TRL's metric names
+            for name in PAIR_METRICS:
+                if m.get(prefix + name) is not None:
+                    self.board.add_scalar(f"{prefix or 'train/'}{name}", m[prefix + name], m["step"])
         self.board.flush()
+
+
+def _rewards(m: dict[str, Any], prefix: str = "") -> str:
+    """The DPO part of a console line (reward accuracy and margin), "" for a fine-tune."""
+    if m.get(prefix + "rewards/accuracies") is None:
+        return ""
+    return f" reward acc {m[prefix + 'rewards/accuracies']:.2f} margin {m[prefix + 'rewards/margins']:.4f}"
 
 
 def _append_json(path: str, record: dict[str, Any]) -> None:

@@ -11,11 +11,12 @@ import torch
 import transformers
 from mistral_reference import hf_model, ours_from_hf
 
+from raytrain.config import DpoConfig, load_job_config
 from raytrain.dataset.labels import IGNORE_INDEX
 from raytrain.dataset.pair_pack import pack_pairs
 from raytrain.dataset.tokenize import TokenizedPair
 from raytrain.errors import ConfigError, RaytrainError
-from raytrain.pipeline.dpo import METRICS, DpoSettings, PackedPairs, micro_batch_loss, pair_logps
+from raytrain.pipeline.dpo import METRICS, PackedPairs, micro_batch_loss, pair_logps
 from raytrain.pipeline.model import MistralConfig, hf_prefix
 
 trl = pytest.importorskip("trl")  # a test dependency (pyproject's [test] extra)
@@ -59,7 +60,7 @@ def packed(pairs: list[TokenizedPair]) -> PackedPairs:
                        ref_logps=torch.zeros(len(rows), MAX_PAIRS, 2)), stack("input_ids"), stack("position_ids")
 
 
-def ours_step(policy_hf, reference_hf, pairs, settings: DpoSettings):
+def ours_step(policy_hf, reference_hf, pairs, settings: DpoConfig):
     """Our loss, metric means and gradients (by HF parameter name) for ``pairs`` as one batch."""
     batch, input_ids, position_ids = packed(pairs)
     reference = ours_from_hf(CFG, reference_hf)
@@ -77,7 +78,7 @@ def ours_step(policy_hf, reference_hf, pairs, settings: DpoSettings):
     return loss.detach(), {name: sums[name] / sums["pairs"] for name in METRICS}, grads
 
 
-def trl_step(policy_hf, reference_hf, pairs, settings: DpoSettings, tmp_path):
+def trl_step(policy_hf, reference_hf, pairs, settings: DpoConfig, tmp_path):
     """TRL's loss, metrics and gradients for the same pairs: its own collator and DPOTrainer._compute_loss."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -104,10 +105,10 @@ def trl_step(policy_hf, reference_hf, pairs, settings: DpoSettings, tmp_path):
     return loss.detach(), metrics, {name: param.grad for name, param in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("settings", [DpoSettings(loss="sigmoid", beta=0.1),
-                                      DpoSettings(loss="sigmoid", beta=0.5, sft_weight=0.3),
-                                      DpoSettings(loss="ipo", beta=0.1),
-                                      DpoSettings(loss="robust", beta=0.2, label_smoothing=0.1)],
+@pytest.mark.parametrize("settings", [DpoConfig(loss="sigmoid", beta=0.1),
+                                      DpoConfig(loss="sigmoid", beta=0.5, sft_weight=0.3),
+                                      DpoConfig(loss="ipo", beta=0.1),
+                                      DpoConfig(loss="robust", beta=0.2, label_smoothing=0.1)],
                          ids=["sigmoid", "sigmoid+sft", "ipo", "robust"])
 def test_loss_rewards_and_gradients_equal_trl(models, settings, tmp_path):
     pairs = random_pairs()
@@ -125,7 +126,7 @@ def test_loss_rewards_and_gradients_equal_trl(models, settings, tmp_path):
 
 def test_policy_equal_to_reference_gives_ln2_and_zero_rewards(models):
     policy, _ = models
-    loss, metrics, _ = ours_step(policy, policy, random_pairs(), DpoSettings())
+    loss, metrics, _ = ours_step(policy, policy, random_pairs(), DpoConfig())
     assert loss.item() == pytest.approx(math.log(2), rel=1e-6)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert metrics[name] == pytest.approx(0, abs=1e-6)
@@ -161,13 +162,18 @@ def test_a_pair_too_long_for_a_pack_is_refused_by_name():
 
 
 def test_settings_refuse_what_has_no_effect():
-    with pytest.raises(ConfigError, match="label_smoothing=0.1 has no effect on the sigmoid loss; use "
-                                          "train.dpo.loss=robust"):
-        DpoSettings(label_smoothing=0.1)
-    with pytest.raises(ConfigError, match="train.dpo.loss must be one of sigmoid, ipo, robust"):
-        DpoSettings(loss="hinge")
-    with pytest.raises(ConfigError, match="beta must be > 0"):
-        DpoSettings(beta=0)
+    with pytest.raises(ConfigError, match=r"train.dpo.label_smoothing: 0.1 has no effect on the sigmoid loss; use "
+                                          r"train.dpo.loss=robust"):
+        DpoConfig(label_smoothing=0.1)
+    with pytest.raises(ConfigError, match=r"train.dpo.loss: 'hinge': choose one of \['sigmoid', 'ipo', 'robust'\]"):
+        DpoConfig(loss="hinge")
+    with pytest.raises(ConfigError, match="train.dpo.beta: 0: must be > 0"):
+        DpoConfig(beta=0)
+    with pytest.raises(ConfigError, match="train.objective: 'ppo': choose 'sft' or 'dpo'"):
+        load_job_config(None, ["train.objective=ppo"])
+    job = load_job_config(None, ["train.objective=dpo", "train.dpo.beta=0.5"])
+    assert job.train.dpo.beta == 0.5
+    assert job.data_hash() != load_job_config(None, []).data_hash()  # pairs are other data from the same input
 
 
 def test_a_deepspeed_step_over_two_micro_batches_equals_trl_on_the_global_batch(gloo_group, models, tmp_path):
@@ -182,7 +188,7 @@ def test_a_deepspeed_step_over_two_micro_batches_equals_trl_on_the_global_batch(
     from raytrain.trainer.feed import to_pair_micro_batch
 
     policy_hf, reference_hf = models
-    settings = DpoSettings(loss="sigmoid", beta=0.3, sft_weight=0.2)
+    settings = DpoConfig(loss="sigmoid", beta=0.3, sft_weight=0.2)
     pairs = random_pairs()
     batch, input_ids, position_ids = packed(pairs)
     with torch.no_grad():
@@ -302,7 +308,7 @@ def test_reference_pass_through_deepspeed_records_the_starting_models_logps(gloo
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10_000}
     for lora in (False, True):
-        loss_fn = DpoLoss(DpoSettings())
+        loss_fn = DpoLoss(DpoConfig())
         module = build_pipeline_module(CFG, num_stages=1, loss_fn=loss_fn)
         load_hf_into_stage(module, hf_dir)
         if lora:
