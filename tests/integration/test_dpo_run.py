@@ -79,7 +79,8 @@ def _digests(job) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(ray_local, tmp_path_factory):
-    """Run a: MAX_STEPS steps in one launch. Run b: the same data, stopped after step 2 and launched again."""
+    """Run a: MAX_STEPS steps in one launch. Run b: the same data, stopped after step 2 and launched again. Run c:
+    LoRA, pp 1 x dp 2."""
     root = tmp_path_factory.mktemp("dpo-runs")
     sample = write_preference_sample(str(root / "sample"))
     a, b = _job(root, "a"), _job(root, "b", "train.stop_at_step=2")
@@ -89,8 +90,12 @@ def runs(ray_local, tmp_path_factory):
     run_train(b)
     first_launch = _reference_files(b)
     summary_b = run_train(_job(root, "b"))
-    return {"a": a, "b": _job(root, "b"), "summary_a": summary_a, "summary_b": summary_b,
-            "b_first_launch": first_launch}
+    # c: LoRA on one stage, two replicas: the reference (adapters off) scored by both replicas, metrics over both
+    c = _job(root, "c", "train.pp=1", "train.dp=2", "model.lora.rank=4", "model.lora.alpha=8")
+    shutil.copytree(open_run(a).paths.data.join("packed").path, open_run(c).paths.packed.path)
+    summary_c = run_train(c)
+    return {"a": a, "b": _job(root, "b"), "c": c, "summary_a": summary_a, "summary_b": summary_b,
+            "summary_c": summary_c, "b_first_launch": first_launch}
 
 
 def test_first_step_is_ln2_with_zero_rewards(runs):
@@ -154,3 +159,17 @@ def test_reference_logps_equal_the_starting_model_outside_the_pipeline(runs):
     stored = _reference_files(job)["train.npy"][1][0]
     np.testing.assert_allclose(stored, logps.reshape(-1).numpy(), rtol=1e-5, atol=1e-4)
     assert (stored[:2] < 0).all()  # the first pair slot holds a pair
+
+
+def test_lora_on_two_replicas_takes_the_base_as_reference(runs):
+    """With LoRA the reference is the base (adapters off), which is run a's seeded starting model: the stored
+    reference equals a's although c scored it on one stage with two replicas sharing the packs. Its metrics are
+    TRL's over both replicas' pairs."""
+    reference_a, reference_c = _reference_files(runs["a"]), _reference_files(runs["c"])
+    for name in ("train.npy", "validation.npy"):
+        np.testing.assert_allclose(reference_c[name][1], reference_a[name][1], rtol=1e-5, atol=1e-4)
+    metrics = _metrics(runs["c"])
+    assert metrics[1]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # lora_B starts at 0: policy = base
+    assert metrics[MAX_STEPS]["rewards/margins"] > 0 and metrics[MAX_STEPS]["loss"] < math.log(2)
+    assert "validation/rewards/accuracies" in metrics[MAX_STEPS]
+    assert runs["summary_c"]["lora"]["rank"] == 4
