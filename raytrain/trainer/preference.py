@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import io
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,7 @@ def reference_logps(stage: Any, topo: Topology, job: JobConfig, sources: dict[st
         if stored[0]:
             out[name] = np.load(io.BytesIO(loc.read_bytes()))
             continue
+        t0 = time.perf_counter()
         out[name] = _score(stage, topo, job, source)
         if dist.get_rank() == 0:
             check_fence(f"store the reference log-probabilities of {name}")
@@ -89,8 +91,8 @@ def reference_logps(stage: Any, topo: Topology, job: JobConfig, sources: dict[st
             np.save(buffer, out[name])
             folder.mkdirs()
             loc.write_atomic(buffer.getvalue())
-            print(f"[raytrain] reference pass: {source.num_packs} {name} packs scored with the starting weights -> "
-                  f"{loc.uri}", flush=True)
+            print(f"[raytrain] reference pass: {source.num_packs} {name} packs scored with the starting weights in "
+                  f"{time.perf_counter() - t0:.1f}s -> {loc.uri}", flush=True)
         dist.barrier()
     return out
 
