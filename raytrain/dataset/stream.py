@@ -188,18 +188,25 @@ def benchmark_conversations(records: Sequence[dict[str, Any] | str], cfg: Datase
     return tokenized[fits].reset_index(drop=True), skipped
 
 
+def _fresh_output(enriched: StorageLocation, packed: StorageLocation, what: str) -> list[str]:
+    """The enriched Parquet files to pack, after clearing ``packed`` of a partial output (an interrupted run's,
+    without a manifest); RaytrainError when there is none."""
+    if packed.exists():
+        packed.delete_dir()
+    files = _parquet_files(enriched)
+    if not files:
+        raise RaytrainError(f"no enriched Parquet under {enriched.uri}: did the enrich stage keep any {what}?")
+    return files
+
+
 def pack_enriched(enriched: StorageLocation, packed: StorageLocation, cfg: DatasetConfig,
                   data_hash: str, eval_records: Sequence[dict[str, Any] | str] = ()) -> PackedData:
     """Pack the enriched rows' stored token ids with Ray Data and write them, manifest last, under `packed`: the
     training rows (mixture-weighted), the validation rows (``validation_mask``) under ``validation/``, and
     ``eval_records`` (the decontamination eval sets' items) as the benchmark set (``benchmark_conversations``)
     under ``benchmark/``."""
-    if packed.exists():
-        packed.delete_dir()  # a partial output from an interrupted run (no manifest): start clean
     t0 = time.perf_counter()
-    files = _parquet_files(enriched)
-    if not files:
-        raise RaytrainError(f"no enriched Parquet under {enriched.uri}: did the enrich stage keep any row?")
+    files = _fresh_output(enriched, packed, "row")
     num_rows = sum(pq.ParquetFile(enriched.filesystem.open_input_file(f)).metadata.num_rows for f in files)
     fraction = validation_fraction(cfg, num_rows)
     weights = cfg.weights()
@@ -274,12 +281,8 @@ def pack_enriched_pairs(enriched: StorageLocation, packed: StorageLocation, cfg:
     of the input's train split for training, those of its validation split under ``validation/`` (the published
     hold-out: no hash split here). A pair is never split (raytrain.dataset.pair_pack); the files' row order is
     kept, so the same pairs always give the same packs."""
-    if packed.exists():
-        packed.delete_dir()  # a partial output from an interrupted run (no manifest): start clean
     t0 = time.perf_counter()
-    files = _parquet_files(enriched)
-    if not files:
-        raise RaytrainError(f"no enriched Parquet under {enriched.uri}: did the enrich stage keep any pair?")
+    files = _fresh_output(enriched, packed, "pair")
     ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=[*PAIR_TOKEN_COLUMNS, "split"])
     ds.context.execution_options.preserve_order = True
     train = _pack(ds.map_batches(_pairs_of_split, batch_format="pandas", fn_kwargs={"split": "train"}), packed, cfg,

@@ -232,7 +232,7 @@ def validation_micro_batches(batches: Iterable[dict[str, np.ndarray]], *, micro_
             batch_pairs, batch_chosen = pair_counts(batch)
             pairs, chosen = pairs + batch_pairs, chosen + batch_chosen
         if index % dp == dp_rank:
-            own.append(_pad_rows(batch, micro_batch_size))
+            own.append(pad_rows(batch, micro_batch_size))
     if ref_logps is not None:
         pair_scale, sft_scale = _pair_scales(len(own) * dp, pairs, chosen)
         return [to_pair_micro_batch(batch, pair_scale, sft_scale) for batch in own], targets
@@ -240,7 +240,7 @@ def validation_micro_batches(batches: Iterable[dict[str, np.ndarray]], *, micro_
     return [to_micro_batch(batch, loss_scale) for batch in own], targets
 
 
-def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     """Fill a short batch up to ``rows`` with padding rows: pad id 0, position 0, segment -1, no target."""
     have = len(batch["doc_ids"])
     if have >= rows:

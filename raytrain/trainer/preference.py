@@ -23,7 +23,7 @@ import torch.distributed as dist
 from raytrain.config import JobConfig
 from raytrain.pipeline.dpo import METRICS
 from raytrain.storage import StorageLocation
-from raytrain.trainer.feed import validation_micro_batches
+from raytrain.trainer.feed import pad_rows, to_pair_micro_batch
 from raytrain.trainer.schedule import Topology, validation_micro_batches_of
 
 
@@ -38,27 +38,32 @@ def reference_key(job: JobConfig, packed_uri: str) -> str:
 
 def _score(stage: Any, topo: Topology, job: JobConfig, source: Any) -> np.ndarray:
     """(num_packs, 2 * max_pairs) reference log-probabilities of every pack of ``source`` with the stage's weights
-    as they are (module docstring); the same array on every rank."""
+    as they are (module docstring); the same array on every rank. Micro-batch k (packs k * mbs ...) goes to replica
+    k % dp, as the evaluation deals them; each is read when DeepSpeed pulls it, so one micro-batch is in memory at a
+    time."""
     from raytrain.pipeline.lora import adapters_disabled
 
     tc = job.train
     mbs, total = tc.micro_batch_size, source.num_packs
     count = validation_micro_batches_of(topo.dp_rank, tc.dp, total, mbs)
-    eval_iter, own_packs = None, []
-    if topo.needs_data:
-        batches = [source.read(range(i, min(i + mbs, total))) for i in range(0, total, mbs)]
-        width = np.asarray(batches[0]["pair_segments"]).shape[1] if batches else 0
-        zeros = np.zeros((total, width), dtype=np.float32)
-        own, _ = validation_micro_batches(batches, micro_batch_size=mbs, dp_rank=topo.dp_rank, dp=tc.dp,
-                                          ref_logps=zeros)
-        eval_iter = iter(own)
-        own_packs = [np.asarray(b["pack_index"]) for k, b in enumerate(batches) if k % tc.dp == topo.dp_rank]
+    own = [k for k in range(-(-total // mbs)) if k % tc.dp == topo.dp_rank]
+    assert len(own) == count, f"reference pass: {len(own)} micro-batches, expected {count}"
+    own_packs: list[np.ndarray] = []
+
+    def micro_batches():
+        for k in own:
+            batch = source.read(range(k * mbs, min((k + 1) * mbs, total)))
+            own_packs.append(np.asarray(batch["pack_index"]))
+            width = np.asarray(batch["pair_segments"]).shape[1]
+            batch = pad_rows({**batch, "ref_logps": np.zeros((len(batch["doc_ids"]), width), np.float32)}, mbs)
+            yield to_pair_micro_batch(batch, 0.0, 0.0)  # recording: the loss is 0, its scales unused
+
     loss_fn = stage.engine.module.loss_fn
     adapters = adapters_disabled(stage.engine.module) if job.model.lora.rank else contextlib.nullcontext()
     with adapters, loss_fn.recording() as recorded:
-        stage.eval_loss(eval_iter, count)
+        stage.eval_loss(micro_batches() if topo.needs_data else None, count)
     mine: dict[int, list[float]] = {}
-    if topo.is_last_stage and topo.needs_data:  # the last stage scored this replica's micro-batches
+    if topo.is_last_stage:  # the last stage scored this replica's micro-batches, in order
         for packs, logps in zip(own_packs, recorded, strict=True):
             for row, pack in enumerate(packs.tolist()):
                 mine[pack] = logps[row].reshape(-1).tolist()
