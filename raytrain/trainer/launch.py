@@ -21,6 +21,7 @@ from raytrain.runlock import Fence, LockLostError
 from raytrain.storage import RunPaths, StorageLocation
 from raytrain.trainer.evaluation import PackedFiles
 from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
+from raytrain.trainer.preference import reference_key
 from raytrain.trainer.schedule import check_enough_packs
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,8 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         validation=_files_of(validation) if validation is not None else None,
         benchmark=_files_of(benchmark) if benchmark is not None else None,
         local_reports_dir=RunPaths(run_root).reports.path if run_root.scheme == "file" else None,
-        versions=software_versions(), fence=fence, base=base)
+        versions=software_versions(), fence=fence, base=base,
+        reference_key=reference_key(job, _files_of(packed).uri) if tc.objective == "dpo" else "")
     storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,

@@ -61,6 +61,9 @@ class LoopConfig:
     """The driver's run lock (token, generation): commits and cleanups check the lock still holds it."""
     base: dict[str, Any] = field(default_factory=dict)
     """A LoRA run's base (raytrain.pipeline.lora.base_identity), recorded in every checkpoint; {} otherwise."""
+    reference_key: str = ""
+    """train.objective=dpo: the folder name of the stored reference log-probabilities (trainer.preference's key,
+    computed once on the driver: it hashes the starting weights)."""
 
 
 def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
@@ -145,10 +148,10 @@ def _reference_logps(cfg: LoopConfig, stage: Any, topo: Topology, store: Checkpo
                      held: dict[str, PackSource]) -> dict[str, Any]:
     """train.objective=dpo: every training and validation pack's reference log-probabilities, scored with the
     starting weights (this runs before any checkpoint is loaded) or read from the run (raytrain.trainer.preference)."""
-    from raytrain.trainer.preference import reference_key, reference_logps
+    from raytrain.trainer.preference import reference_logps
 
     sets = {"train": train_packs, **({"validation": held["validation_loss"]} if "validation_loss" in held else {})}
-    folder = RunPaths(store.run_root).data.join("reference", reference_key(cfg.job, cfg.packed.uri))
+    folder = RunPaths(store.run_root).data.join("reference", cfg.reference_key)
     return reference_logps(stage, topo, cfg.job, sets, folder, store.check_fence)
 
 

@@ -28,7 +28,8 @@ from raytrain.trainer.schedule import Topology, validation_micro_batches_of
 
 
 def reference_key(job: JobConfig, packed_uri: str) -> str:
-    """What the stored reference log-probabilities depend on: the packed data and the starting weights."""
+    """What the stored reference log-probabilities depend on: the packed data and the starting weights (a hash of
+    ``model.init_from``'s files when it is a folder here: the driver computes it once per launch)."""
     from raytrain.pipeline.lora import base_identity
 
     identity = {"data": job.data_hash(), "packed": packed_uri, "base": base_identity(job),
