@@ -70,11 +70,11 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     from raytrain.config import DpoConfig
-    from raytrain.dataset.pair_pack import pair_pack_batch
+    from raytrain.dataset.pair_pack import pair_counts, pair_pack_batch
     from raytrain.pipeline.dpo import DpoLoss
     from raytrain.pipeline.engine import init_distributed
     from raytrain.pipeline.model import MistralConfig
-    from raytrain.trainer.feed import pair_counts, to_micro_batch, to_pair_micro_batch
+    from raytrain.trainer.feed import to_micro_batch, to_pair_micro_batch
 
     init_distributed("gloo")
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def main() -> None:
         rows = batch(start, per_step)
         tokens.append(int(rows["num_tokens"].sum()))
         targets = int((rows["labels"] != -100).sum())
-        pairs, chosen = pair_counts(rows)
+        pairs, chosen = (int(n.sum()) for n in pair_counts(rows["pair_segments"], rows["segment_ids"], rows["labels"]))
         for name in (("sft", "dpo") if step % 2 == 0 else ("dpo", "sft")):
             if name == "sft":
                 feed = [to_micro_batch(batch(start + k * mbs, mbs), accum / targets) for k in range(accum)]

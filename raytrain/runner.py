@@ -281,7 +281,8 @@ def run_enrich_and_pack(run: Run):
         from raytrain.dataset.stream import pack_enriched_pairs
         from raytrain.enrich.pair_job import run_enrich_pairs
 
-        result = run_enrich_pairs(run.job, input_root, run.root, eval_sets=eval_sets)
+        inputs = _PLANS.pop((run.root.uri, run.job.config_hash()), None)  # preflight's, when it could find them
+        result = run_enrich_pairs(run.job, input_root, run.root, eval_sets=eval_sets, inputs=inputs)
         write_report(run, "enrich_report.json", result.report)
         return pack_enriched_pairs(result.enriched, packed_loc, run.job.dataset, run.data_hash)
     plan = _PLANS.pop((run.root.uri, run.job.config_hash()), None)  # preflight's, when it could plan
@@ -452,8 +453,8 @@ def _preflight(run: Run) -> None:
 
 
 _PLANS: dict[tuple[str, str], Any] = {}
-"""The enrichment plan preflight made, per (run, config hash), for run_enrich_and_pack to use instead of
-discovering, validating and hashing the inputs a second time."""
+"""The enrichment plan preflight made (for preference pairs: the files it found), per (run, config hash), for
+run_enrich_and_pack to use instead of discovering, validating and hashing the inputs a second time."""
 
 
 def _plan_enrichment_early(run: Run) -> None:
@@ -470,8 +471,10 @@ def _plan_enrichment_early(run: Run) -> None:
         if job.input.path != "sample":
             from raytrain.enrich.pair_inputs import discover_pair_inputs
 
-            for line in discover_pair_inputs(input_root).describe():
+            inputs = discover_pair_inputs(input_root)
+            for line in inputs.describe():
                 log.info("%s", line)
+            _PLANS[(run.root.uri, job.config_hash())] = inputs
         return
     if job.input.path != "sample" and "sample" not in job.enrich.context_corpus:
         plan = plan_enrichment(job, input_root, eval_set_paths(run, input_root))

@@ -196,7 +196,13 @@ def pack_batch(
                 raise RaytrainError(f"conversation uuid={uuid!r} (batch row {row}): {exc}") from exc
             yield str(uuid), ids, mask
 
-    packs = list(pack_documents(documents(), seq_len, pad_id=pad_id, max_open_packs=max_open_packs))
+    return pack_arrays(list(pack_documents(documents(), seq_len, pad_id=pad_id, max_open_packs=max_open_packs)),
+                       seq_len)
+
+
+def pack_arrays(packs: list[Pack], seq_len: int) -> dict[str, np.ndarray]:
+    """``packs`` as the columns of a packed batch (``pack_batch``'s Out): PACK_COLUMNS (num_packs, seq_len),
+    ``doc_ids``, ``num_tokens`` and ``num_targets``."""
     out: dict[str, np.ndarray] = {
         name: (
             np.stack([getattr(p, name) for p in packs]) if packs else np.zeros((0, seq_len), dtype=np.int64)

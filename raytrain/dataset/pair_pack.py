@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from raytrain.dataset.labels import IGNORE_INDEX
-from raytrain.dataset.pack import PACK_COLUMNS, Pack, build_pack
+from raytrain.dataset.pack import Pack, build_pack, pack_arrays
 from raytrain.dataset.tokenize import TokenizedPair
 from raytrain.errors import RaytrainError
 
@@ -91,17 +91,18 @@ def pair_pack_batch(batch: pd.DataFrame, seq_len: int, max_pairs: int = MAX_PAIR
     pairs = (TokenizedPair(str(uuid), list(prompt), list(chosen), list(rejected)) for uuid, prompt, chosen, rejected
              in zip(*(batch[c] for c in PAIR_TOKEN_COLUMNS), strict=True))
     rows = list(pack_pairs(pairs, seq_len, max_pairs, pad_id))
-    packs = [row.pack for row in rows]
-    out: dict[str, np.ndarray] = {
-        name: np.stack([getattr(p, name) for p in packs]) if packs else np.zeros((0, seq_len), dtype=np.int64)
-        for name in PACK_COLUMNS}
-    out["doc_ids"] = np.array([",".join(p.doc_ids) for p in packs], dtype=object)
-    out["num_tokens"] = np.array([p.num_real_tokens for p in packs], dtype=np.int64)
-    out["num_targets"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int64)
+    out = pack_arrays([row.pack for row in rows], seq_len)
     out["pair_segments"] = (np.stack([row.pair_segments.reshape(-1) for row in rows]) if rows
                             else np.zeros((0, 2 * max_pairs), dtype=np.int64))
-    out["num_pairs"] = np.array([len(row.pair_ids) for row in rows], dtype=np.int64)
-    out["chosen_targets"] = np.array(
-        [int(np.isin(row.pack.segment_ids, row.pair_segments[:, 0][row.pair_segments[:, 0] >= 0])
-             [row.pack.labels != IGNORE_INDEX].sum()) for row in rows], dtype=np.int64)
+    out["num_pairs"], out["chosen_targets"] = pair_counts(out["pair_segments"], out["segment_ids"], out["labels"])
     return out
+
+
+def pair_counts(pair_segments: np.ndarray, segment_ids: np.ndarray, labels: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Per pack row, its pairs and its chosen responses' target tokens, each (B,) int64, from the pair table
+    (B, 2 * max_pairs) and the rows' segment ids and labels (B, seq_len)."""
+    table = np.asarray(pair_segments).reshape(len(pair_segments), -1, 2)  # (B, P, 2)
+    chosen = [int((np.isin(segment_ids[row], table[row, :, 0][table[row, :, 0] >= 0])
+                   & (labels[row] != IGNORE_INDEX)).sum()) for row in range(len(table))]
+    return (table[:, :, 0] >= 0).sum(axis=1).astype(np.int64), np.array(chosen, dtype=np.int64)

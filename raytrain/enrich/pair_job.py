@@ -77,13 +77,13 @@ def enrich_pairs_in_session(spark, job: JobConfig, inputs: PairInputFiles, evals
 
 
 def run_enrich_pairs(job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
-                     eval_sets: tuple[str, ...] | None = None) -> EnrichResult:
-    """Find the inputs and read the eval sets (bad ones fail here, before a JVM starts), start Spark on the running
-    Ray cluster, enrich the pairs, stop Spark."""
+                     eval_sets: tuple[str, ...] | None = None, inputs: PairInputFiles | None = None) -> EnrichResult:
+    """Find the inputs (``inputs``: what ``discover_pair_inputs`` found already) and read the eval sets (bad ones
+    fail here, before a JVM starts), start Spark on the running Ray cluster, enrich the pairs, stop Spark."""
     from raytrain.enrich.jars import spark_jar_configs
     from raytrain.enrich.spark import spark_conf, spark_session
 
-    inputs = discover_pair_inputs(input_root)
+    inputs = inputs or discover_pair_inputs(input_root)
     evals = load_eval_texts(tuple(job.enrich.eval_sets if eval_sets is None else eval_sets), input_root,
                             job.storage.s3_endpoint or None)
     configs = spark_conf(input_root) | spark_conf(run_root)

@@ -3,7 +3,7 @@ and the metrics, with TRL's formulas and metric names (tests/unit/pipeline/test_
 DPOTrainer on transformers' MistralForCausalLM).
 
 A pair is two segments of one packed row, ``prompt + chosen`` and ``prompt + rejected``, whose labels hold the
-response tokens only (the prompt's are -100): ``segment_logps`` sums each segment's target log-probabilities, so
+response tokens only (the prompt's are -100): ``pair_logps`` sums each segment's target log-probabilities, so
 many pairs fit one sequence and document masking keeps them apart. The reference log-probabilities come in as
 numbers computed once before training; the policy's are recomputed every step.
 """

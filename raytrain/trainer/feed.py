@@ -29,6 +29,7 @@ import torch
 
 from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
 from raytrain.dataset.pack_reader import PackCounts
+from raytrain.dataset.pair_pack import pair_counts
 from raytrain.trainer.schedule import epoch_and_offset, micro_batches_per_step, owns_micro_batch
 
 MODEL_COLUMNS = ("input_ids", "position_ids", "segment_ids", "labels")
@@ -203,15 +204,6 @@ def _pair_scales(per_step: int, pairs: int, chosen_targets: int) -> tuple[float,
     return (per_step / pairs if pairs else 0.0), (per_step / chosen_targets if chosen_targets else 0.0)
 
 
-def pair_counts(batch: dict[str, np.ndarray]) -> tuple[int, int]:
-    """(pairs, chosen target tokens) of a numpy batch of preference packs."""
-    table = _column(batch, "pair_segments").reshape(len(batch["doc_ids"]), -1, 2)  # (B, P, 2)
-    segments, labels = _column(batch, "segment_ids"), _column(batch, "labels")
-    chosen = sum(int((np.isin(segments[row], table[row, :, 0][table[row, :, 0] >= 0])
-                      & (labels[row] != IGNORE_INDEX)).sum()) for row in range(len(table)))
-    return int((table[:, :, 0] >= 0).sum()), chosen
-
-
 def validation_micro_batches(batches: Iterable[dict[str, np.ndarray]], *, micro_batch_size: int, dp_rank: int,
                              dp: int, ref_logps: np.ndarray | None = None) -> tuple[list[MicroBatch], int]:
     """This replica's share of the whole validation set for DeepSpeed's ``eval_batch``, and the set's target count.
@@ -229,8 +221,9 @@ def validation_micro_batches(batches: Iterable[dict[str, np.ndarray]], *, micro_
         targets += count_targets(batch)
         if ref_logps is not None:
             batch = {**batch, "ref_logps": ref_logps[np.asarray(batch["pack_index"])]}
-            batch_pairs, batch_chosen = pair_counts(batch)
-            pairs, chosen = pairs + batch_pairs, chosen + batch_chosen
+            batch_pairs, batch_chosen = pair_counts(_column(batch, "pair_segments"), _column(batch, "segment_ids"),
+                                                    _column(batch, "labels"))
+            pairs, chosen = pairs + int(batch_pairs.sum()), chosen + int(batch_chosen.sum())
         if index % dp == dp_rank:
             own.append(pad_rows(batch, micro_batch_size))
     if ref_logps is not None:
