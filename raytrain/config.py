@@ -226,7 +226,9 @@ class DatasetConfig:
     length_policy: str = "drop"
     """A conversation longer than seq_len tokens: 'drop' (quarantined as 'too_many_tokens' with its token count),
     'truncate' (keep the prompt, cut the final answer at seq_len; counted) or 'split' (cut into seq_len chunks,
-    each trained on its own: later chunks lose their question; opt-in)."""
+    each trained on its own: later chunks lose their question; opt-in). A preference pair (train.objective=dpo)
+    is judged whole, its prompt twice and both responses in one pack: drop or truncate (the longer response cut
+    first), never split."""
     text_with_tool_calls: str = "drop_text"
     """v3 only (v1 keeps both): an assistant turn with text (e.g. a <think> trace) and tool calls cannot be encoded;
     'drop_text' keeps the calls and drops the text (counted in the enrich report), 'quarantine' quarantines the row."""
@@ -516,6 +518,9 @@ class JobConfig:
     def __post_init__(self) -> None:
         _require(self.train.objective != "dpo" or not self.enrich.context_corpus, "enrich.context_corpus",
                  "context from a corpus is not added to preference pairs (train.objective=dpo): set it to []")
+        _require(self.train.objective != "dpo" or self.dataset.length_policy != "split", "dataset.length_policy",
+                 "'split' cannot apply to preference pairs (train.objective=dpo): choose 'drop' or 'truncate'; "
+                 "a pair's two sequences share one pack")
         _require(self.train.objective != "dpo" or not self.storage.init_from_run, "storage.init_from_run",
                  "train.objective=dpo starts from step 0 of its own: export the run to start from (`raytrain "
                  "export`) and set model.init_from to that folder")

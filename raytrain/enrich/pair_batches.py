@@ -6,8 +6,9 @@ counterpart of ``raytrain.enrich.batches``).
   prompt and both responses (what the fine-tune's dedup and decontamination compare, so the same Spark passes
   serve both).
 - ``finish_pairs_batch``: pairs with their final verdict -> PAIR_FINISHED rows: the prompt's tokens once and each
-  response's (``dataset.tokenize.tokenize_pair``), a pair whose two sequences do not fit one pack quarantined as
-  too_many_tokens (a pair is never split).
+  response's (``dataset.tokenize.tokenize_pair``); a pair whose two sequences do not fit one pack goes through
+  ``dataset.length_policy`` (``dataset.length.decide_pair_length``): truncated (the responses' ends cut) or
+  quarantined as too_many_tokens (a pair is never split).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from raytrain.dataset.length import DROP, decide_pair_length
 from raytrain.dataset.reasons import Reason
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_pair
 from raytrain.enrich.batches import OK, fill_dedup_columns
@@ -36,8 +38,11 @@ PAIR_PREPARED = pa.schema([*PAIR_ROW, ("exact_key", pa.string()), ("signature", 
                            ("band_keys", pa.list_(pa.int64())), ("eval_ngrams", pa.int64())])
 PAIR_TOKENS = pa.schema([("margin", pa.float64()), ("prompt_ids", pa.list_(pa.int32())),
                          ("chosen_ids", pa.list_(pa.int32())), ("rejected_ids", pa.list_(pa.int32())),
-                         ("num_tokens", pa.int64())])
-"""A kept pair's tokens: ``num_tokens`` is what it takes in a pack (the prompt twice and both responses)."""
+                         ("num_tokens", pa.int64()), ("length_action", pa.string()),
+                         ("tokens_truncated", pa.int64())])
+"""A kept pair's tokens, as they go into a pack: ``num_tokens`` is what it takes there (the prompt twice and both
+responses, after any truncation). ``length_action``: the length policy's keep, truncate or drop ("" when the pair was
+not tokenized); ``tokens_truncated``: the response tokens truncation cut (0 otherwise)."""
 PAIR_FINISHED = pa.schema([*PAIR_ROW, *PAIR_TOKENS])
 
 
@@ -91,9 +96,14 @@ def prepare_pairs_batch(pdf: pd.DataFrame, *, max_chars: int, num_perm: int, ban
     return pd.DataFrame(out, columns=list(PAIR_PREPARED.names)).astype({"row_id": "int64", "eval_ngrams": "int64"})
 
 
-def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: int) -> pd.DataFrame:
+def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: int,
+                       length_policy: str) -> pd.DataFrame:
     """PAIR_ROW rows with their final verdict -> PAIR_FINISHED rows; the kept ones tokenized, or quarantined as
-    untokenizable or too_many_tokens."""
+    untokenizable or too_many_tokens.
+
+    A pair longer than ``seq_len`` goes through ``length_policy`` (drop | truncate): a truncated pair keeps the start
+    of each response, so a cut response has no EOS (as the fine-tune's truncated answer); a dropped one keeps its
+    full tokens in the row (the quarantine does not write them) and the detail names the counts."""
     tokenizer = load_tokenizer(tokenizer_version)
     empty = _empty(PAIR_TOKENS)
     out: dict[str, list] = {name: [] for name in PAIR_FINISHED.names}
@@ -106,18 +116,22 @@ def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: in
             except RaytrainError as e:
                 values.update(status=Reason.UNTOKENIZABLE.value, detail=str(e))
             else:
+                decision = decide_pair_length(len(tokens.prompt), len(tokens.chosen), len(tokens.rejected), seq_len,
+                                              length_policy)
                 values.update(margin=float(pair["margin"]), prompt_ids=list(tokens.prompt),
-                              chosen_ids=list(tokens.chosen), rejected_ids=list(tokens.rejected),
-                              num_tokens=tokens.num_tokens)
-                if tokens.num_tokens > seq_len:
-                    values.update(status=Reason.TOO_MANY_TOKENS.value, detail=(
-                        f"the pair takes {tokens.num_tokens} tokens in a pack (prompt {len(tokens.prompt)} twice, "
-                        f"chosen {len(tokens.chosen)}, rejected {len(tokens.rejected)}) > dataset.seq_len={seq_len}; "
-                        "a pair is never split"))
+                              length_action=decision.action, tokens_truncated=decision.tokens_removed)
+                if decision.action == DROP:
+                    values.update(status=Reason.TOO_MANY_TOKENS.value, detail=decision.detail,
+                                  chosen_ids=list(tokens.chosen), rejected_ids=list(tokens.rejected),
+                                  num_tokens=tokens.num_tokens)
+                else:
+                    values.update(chosen_ids=list(tokens.chosen[:decision.chosen]),
+                                  rejected_ids=list(tokens.rejected[:decision.rejected]),
+                                  num_tokens=decision.train_tokens)
         for name in PAIR_FINISHED.names:
             out[name].append(values[name])
     return pd.DataFrame(out, columns=list(PAIR_FINISHED.names)).astype(
-        {"row_id": "int64", "num_tokens": "int64", "margin": "float64"})
+        {"row_id": "int64", "num_tokens": "int64", "margin": "float64", "tokens_truncated": "int64"})
 
 
 def _plain(value: Any) -> str:

@@ -11,13 +11,15 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from raytrain.config import JobConfig
+from raytrain.dataset.length import TRUNCATE
 from raytrain.enrich import pair_batches
 from raytrain.enrich.dedup import lsh_params
 from raytrain.enrich.passes import NUM_PERM, SHINGLE_CHARS, spark_schema, with_final_verdict
 
 ENRICHED_COLUMNS = ("uuid", "split", "domain", "language", "margin", "prompt_ids", "chosen_ids", "rejected_ids",
-                    "num_tokens", "pair_json")
-"""The enriched pairs' columns (``uuid`` is the pair id)."""
+                    "num_tokens", "length_action", "tokens_truncated", "pair_json")
+"""The enriched pairs' columns (``uuid`` is the pair id; the token columns as they go into a pack, after the length
+policy, with what it did: ``length_action`` keep or truncate, ``tokens_truncated``)."""
 QUARANTINE_COLUMNS = ("uuid", "split", "domain", "language", "reason", "detail")
 
 
@@ -53,11 +55,12 @@ def finish_pairs(prepared: DataFrame, flags: DataFrame, job: JobConfig) -> DataF
     (the written files' order), tokenized; persisted (the writes and the tally read it)."""
     rows = with_final_verdict(prepared, flags, job.enrich.decontam_ngram, pair_batches.PAIR_ROW.names)
     rows = rows.repartition(job.enrich.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
-    version, seq_len = job.dataset.tokenizer, job.dataset.seq_len
+    version, seq_len, policy = job.dataset.tokenizer, job.dataset.seq_len, job.dataset.length_policy
 
     def body(frames):
         for pdf in frames:
-            yield pair_batches.finish_pairs_batch(pdf, tokenizer_version=version, seq_len=seq_len)
+            yield pair_batches.finish_pairs_batch(pdf, tokenizer_version=version, seq_len=seq_len,
+                                                  length_policy=policy)
 
     finished = rows.mapInPandas(body, schema=spark_schema(pair_batches.PAIR_FINISHED))
     return finished.persist(StorageLevel.MEMORY_AND_DISK)
@@ -69,8 +72,13 @@ def quarantined_pairs(finished: DataFrame) -> DataFrame:
 
 
 def tally(finished: DataFrame) -> list[dict[str, Any]]:
-    """Rows per (split, domain, language, status): one small aggregation the report is built from."""
-    groups = finished.groupBy("split", "domain", "language", "status").count().collect()
+    """Rows per (split, domain, language, status), with the pairs the length policy truncated and the tokens it cut:
+    one small aggregation the report is built from."""
+    groups = finished.groupBy("split", "domain", "language", "status").agg(
+        F.count(F.lit(1)).alias("rows"),
+        F.sum(F.when(F.col("length_action") == TRUNCATE, 1).otherwise(0)).alias("rows_truncated"),
+        F.sum("tokens_truncated").alias("tokens_truncated")).collect()
     return sorted(({"split": r["split"], "domain": r["domain"], "language": r["language"], "status": r["status"],
-                    "rows": int(r["count"])} for r in groups),
+                    "rows": int(r["rows"]), "rows_truncated": int(r["rows_truncated"]),
+                    "tokens_truncated": int(r["tokens_truncated"])} for r in groups),
                   key=lambda g: (g["split"], g["domain"], g["language"], g["status"]))

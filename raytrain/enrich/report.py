@@ -317,10 +317,13 @@ def pair_step_counts(rows_in: int, per_reason: dict[str, int]) -> list[StepCount
 
 def build_pair_report(rows_in: int, groups: list[dict[str, Any]], sources: list[dict[str, Any]],
                       inputs: list[str], seconds: float) -> dict[str, Any]:
-    """The pair enrichment's report from its tally (rows per split, domain, language and status): counts per
-    reason, per step, per split / domain / language kept and quarantined. AssertionError when they do not add up
-    to ``rows_in`` (a bug)."""
+    """The pair enrichment's report from its tally (rows per split, domain, language and status, with the pairs the
+    length policy truncated and the tokens it cut): counts per reason, per step, per split / domain / language kept
+    and quarantined, and ``length`` (pairs truncated, tokens cut). AssertionError when they do not add up to
+    ``rows_in`` (a bug)."""
     per_reason: dict[str, int] = {}
+    length = {"rows_truncated": sum(g["rows_truncated"] for g in groups),
+              "tokens_truncated": sum(g["tokens_truncated"] for g in groups)}
     by: dict[str, dict[str, dict[str, int]]] = {"split": {}, "domain": {}, "language": {}}
     for g in groups:
         kept = g["status"] == "ok"
@@ -332,7 +335,7 @@ def build_pair_report(rows_in: int, groups: list[dict[str, Any]], sources: list[
     steps = pair_step_counts(rows_in, per_reason)
     return {"kind": "preference_pairs", "rows_in": rows_in, "rows_out": steps[-1].rows_out,
             "quarantined": dict(sorted(per_reason.items())), "steps": [c.to_dict() for c in steps],
-            "per_split": by["split"], "per_domain": by["domain"], "per_language": by["language"],
+            "per_split": by["split"], "per_domain": by["domain"], "per_language": by["language"], "length": length,
             "inputs": inputs, "eval_sets": sources, "seconds": round(seconds, 1)}
 
 
@@ -345,4 +348,8 @@ def pair_summary_text(report: dict[str, Any]) -> str:
     for key in ("per_split", "per_domain", "per_language"):
         lines.append(f"{key.replace('per_', 'per ')}: " + ", ".join(
             f"{name} {v['kept']} kept / {v['quarantined']} quarantined" for name, v in sorted(report[key].items())))
+    length = report["length"]
+    if length["rows_truncated"]:
+        lines.append(f"length policy truncate: {length['rows_truncated']} pairs kept with their responses cut "
+                     f"(-{length['tokens_truncated']} tokens)")
     return "\n".join(lines) + "\n"

@@ -323,3 +323,13 @@ def test_data_hash_did_not_change_with_the_rename_of_data_to_input():
     hash, computed by the version before the rename (commit 78c03b2) for configs/demo.yaml."""
     assert load_job_config(DEMO).data_hash() == "ab1427144956fd99"
     assert load_job_config(DEMO, ["input.path=/mnt/x"]).data_hash() != "ab1427144956fd99"
+
+
+def test_preference_pairs_refuse_the_split_length_policy():
+    with pytest.raises(ConfigError, match=r"^dataset\.length_policy: 'split' cannot apply to preference pairs .*"
+                                          r"choose 'drop' or 'truncate'; a pair's two sequences share one pack"):
+        load_job_config("configs/demo-dpo.yaml", ["dataset.length_policy=split"])
+    for policy in ("drop", "truncate"):
+        assert load_job_config("configs/demo-dpo.yaml", [f"dataset.length_policy={policy}"]).dataset.length_policy \
+            == policy
+    assert load_job_config(DEMO, ["dataset.length_policy=split"]).dataset.length_policy == "split"  # the fine-tune

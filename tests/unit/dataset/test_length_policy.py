@@ -9,7 +9,16 @@ import pytest
 from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, UserMessage
 from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
-from raytrain.dataset.length import DROP, KEEP, SPLIT, TRUNCATE, apply_length, decide_length, final_answer_start
+from raytrain.dataset.length import (
+    DROP,
+    KEEP,
+    SPLIT,
+    TRUNCATE,
+    apply_length,
+    decide_length,
+    decide_pair_length,
+    final_answer_start,
+)
 from raytrain.dataset.pack import IGNORE_INDEX, pack_batch, tokenize_frame
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
 from raytrain.errors import RaytrainError
@@ -91,3 +100,65 @@ def test_drop_refuses_in_packing_and_split_keeps_every_token(tokenizer):
 def test_unknown_policy_is_an_error():
     with pytest.raises(RaytrainError, match="length_policy 'cut'"):
         decide_length([False, True], 8, "cut")
+
+
+def _kept(d):
+    return d.action, d.chosen, d.rejected, d.train_tokens, d.tokens_removed
+
+
+def test_a_pair_that_fits_is_kept_whole_under_either_policy():
+    for policy in (DROP, TRUNCATE):
+        d = decide_pair_length(10, 12, 8, 40, policy)  # exactly seq_len fits
+        assert _kept(d) == (KEEP, 12, 8, 40, 0) and d.num_tokens == 40 and d.detail == ""
+
+
+def test_drop_quarantines_a_long_pair_naming_its_counts_and_the_fix():
+    d = decide_pair_length(10, 15, 10, 40, DROP)
+    assert _kept(d) == (DROP, 0, 0, 0, 0) and d.num_tokens == 45
+    assert d.detail.startswith("the pair takes 45 tokens in a pack (prompt 10 twice, chosen 15, rejected 10) > "
+                               "dataset.seq_len=40; a pair is never split")
+    assert "choose truncate, or a longer seq_len" in d.detail
+
+
+def test_truncate_keeps_a_short_response_whole_and_cuts_the_longer():
+    # budget 40 - 2 * 10 = 20: the shorter (5) fits in 10, so it stays whole and the longer gets 15
+    assert _kept(decide_pair_length(10, 30, 5, 40, TRUNCATE)) == (TRUNCATE, 15, 5, 40, 15)
+    assert _kept(decide_pair_length(10, 5, 30, 40, TRUNCATE)) == (TRUNCATE, 5, 15, 40, 15)
+    assert _kept(decide_pair_length(10, 30, 10, 40, TRUNCATE)) == (TRUNCATE, 10, 10, 40, 20)  # shorter == B / 2
+
+
+def test_truncate_halves_the_budget_when_both_are_long_the_odd_token_to_the_longer():
+    assert _kept(decide_pair_length(10, 30, 20, 40, TRUNCATE)) == (TRUNCATE, 10, 10, 40, 30)
+    # odd budget 21: 11 to the longer, chosen on a tie
+    assert _kept(decide_pair_length(10, 30, 20, 41, TRUNCATE)) == (TRUNCATE, 11, 10, 41, 29)
+    assert _kept(decide_pair_length(10, 20, 30, 41, TRUNCATE)) == (TRUNCATE, 10, 11, 41, 29)
+    assert _kept(decide_pair_length(10, 30, 30, 41, TRUNCATE)) == (TRUNCATE, 11, 10, 41, 39)
+
+
+def test_truncate_drops_a_pair_whose_prompt_leaves_no_token_per_response():
+    d = decide_pair_length(10, 5, 5, 21, TRUNCATE)  # budget 1 < 2
+    assert _kept(d) == (DROP, 0, 0, 0, 0)
+    assert "the pair takes 30 tokens in a pack (prompt 10 twice, chosen 5, rejected 5) > dataset.seq_len=21" in d.detail
+    assert "the prompt alone is 10 tokens" in d.detail and "raise dataset.seq_len" in d.detail
+    assert "leaves 0 of seq_len" in decide_pair_length(30, 5, 5, 40, TRUNCATE).detail  # never a negative count
+    assert _kept(decide_pair_length(10, 5, 5, 22, TRUNCATE)) == (TRUNCATE, 1, 1, 22, 8)
+
+
+def test_truncate_invariants_over_many_lengths():
+    for p in (1, 3, 7):
+        for c in range(1, 14):
+            for r in range(1, 14):
+                for seq_len in range(2 * p + 2, 2 * p + c + r):
+                    d = decide_pair_length(p, c, r, seq_len, TRUNCATE)
+                    longer, shorter = (d.chosen, d.rejected) if c >= r else (d.rejected, d.chosen)
+                    assert d.action == TRUNCATE and d.train_tokens == seq_len, (p, c, r, seq_len)
+                    assert 1 <= d.chosen <= c and 1 <= d.rejected <= r
+                    assert longer >= shorter and d.tokens_removed == 2 * p + c + r - seq_len
+
+
+def test_split_cannot_apply_to_a_pair():
+    with pytest.raises(RaytrainError, match=r"length_policy 'split' cannot apply to a preference pair.*"
+                                            r"choose 'drop' or 'truncate'"):
+        decide_pair_length(10, 5, 5, 100, SPLIT)  # refused even when the pair fits
+    with pytest.raises(RaytrainError, match="length_policy 'cut'"):
+        decide_pair_length(10, 5, 5, 100, "cut")

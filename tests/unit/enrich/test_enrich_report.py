@@ -2,7 +2,14 @@
 
 import pytest
 
-from raytrain.enrich.report import StepCounts, dedup_ratio, step_counts, summary_text
+from raytrain.enrich.report import (
+    StepCounts,
+    build_pair_report,
+    dedup_ratio,
+    pair_summary_text,
+    step_counts,
+    summary_text,
+)
 
 
 def test_step_counts_must_account_for_every_row():
@@ -120,3 +127,19 @@ def test_every_quarantine_reason_is_counted_by_exactly_one_step():
     assert {type(r) for r in counted} == {str}
     assert sorted(counted) == sorted(r for r, n in per_reason.items() for _ in range(n))
     assert steps[-1].rows_out == 1000 - sum(per_reason.values())
+
+
+def test_pair_report_counts_truncated_pairs_and_the_summary_says_so():
+    def group(split, status, rows, truncated=0, tokens=0):
+        return {"split": split, "domain": "general", "language": "english", "status": status, "rows": rows,
+                "rows_truncated": truncated, "tokens_truncated": tokens}
+
+    groups = [group("train", "ok", 7, 2, 150), group("train", "too_many_tokens", 1),
+              group("validation", "ok", 2, 1, 30)]
+    report = build_pair_report(10, groups, [], [], 1.0)
+    assert report["rows_out"] == 9 and report["quarantined"] == {"too_many_tokens": 1}
+    assert report["length"] == {"rows_truncated": 3, "tokens_truncated": 180}
+    assert "length policy truncate: 3 pairs kept with their responses cut (-180 tokens)" in pair_summary_text(report)
+    none_cut = build_pair_report(10, [group("train", "ok", 10)], [], [], 1.0)
+    assert none_cut["length"] == {"rows_truncated": 0, "tokens_truncated": 0}
+    assert "truncate" not in pair_summary_text(none_cut)

@@ -8,6 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from raytrain.dataset.pair_pack import pair_pack_batch
+from raytrain.dataset.tokenize import load_tokenizer, tokenize_pair
 from raytrain.enrich.pair_batches import PAIR_FINISHED, PAIR_PREPARED, finish_pairs_batch, prepare_pairs_batch
 from raytrain.enrich.pair_inputs import HUB_REPO_DIR, discover_pair_inputs
 from raytrain.errors import RaytrainError
@@ -75,10 +77,54 @@ def test_prepare_parses_each_line_or_names_why_not():
 
 def test_finish_tokenizes_kept_pairs_and_refuses_a_pair_that_cannot_fit_one_pack():
     prepared = prepare([json.dumps(ROW), json.dumps({**ROW, "response1": "four " * 40})])
-    out = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=64)
+    out = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=64, length_policy="drop")
     assert list(out.columns) == PAIR_FINISHED.names
     assert out["status"].tolist() == ["ok", "too_many_tokens"]
     first = out.iloc[0]
     assert first["num_tokens"] == 2 * len(first["prompt_ids"]) + len(first["chosen_ids"]) + len(first["rejected_ids"])
     assert first["margin"] == 2.0
     assert "a pair is never split" in out["detail"][1] and "> dataset.seq_len=64" in out["detail"][1]
+    assert out["length_action"].tolist() == ["keep", "drop"] and out["tokens_truncated"].tolist() == [0, 0]
+
+
+def _full_tokens(row, tokenizer):
+    pair = json.loads(row["pair_json"])
+    return tokenize_pair(row["uuid"], pair["prompt"], pair["chosen"], pair["rejected"], tokenizer)
+
+
+def test_finish_truncates_a_long_pair_to_the_start_of_its_responses_and_it_packs():
+    tokenizer = load_tokenizer("v3")
+    long_prompt = {**ROW, "context": [{"role": "user", "content": "What is 2 + 2? " * 20}]}
+    prepared = prepare([json.dumps(ROW), json.dumps({**ROW, "response1": "four " * 40, "response2": "4 " * 30}),
+                        json.dumps(long_prompt), "{not json"])
+    out = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=64, length_policy="truncate")
+    assert out["status"].tolist() == ["ok", "ok", "too_many_tokens", "undecodable_text"]
+    assert out["length_action"].tolist() == ["keep", "truncate", "drop", ""]
+    assert out["tokens_truncated"].dtype == np.int64
+    kept, cut, dropped = out.iloc[0], out.iloc[1], out.iloc[2]
+    assert kept["tokens_truncated"] == 0
+    full = _full_tokens(cut, tokenizer)
+    assert full.num_tokens > 64 and list(cut["prompt_ids"]) == list(full.prompt)
+    for written, whole in ((cut["chosen_ids"], full.chosen), (cut["rejected_ids"], full.rejected)):
+        assert 1 <= len(written) < len(whole) and list(written) == list(whole[: len(written)])
+        assert written[-1] != tokenizer.instruct_tokenizer.tokenizer.eos_id  # the cut takes the EOS with it
+    assert cut["num_tokens"] == 2 * len(cut["prompt_ids"]) + len(cut["chosen_ids"]) + len(cut["rejected_ids"]) == 64
+    assert cut["tokens_truncated"] == full.num_tokens - 64
+    assert "the prompt alone is" in dropped["detail"] and dropped["tokens_truncated"] == 0
+    ok = out[out["status"] == "ok"]
+    packs = pair_pack_batch(ok, seq_len=64)  # what packing does with the enriched pairs: no pair refused
+    assert packs["num_pairs"].sum() == 2
+
+
+def test_finish_under_drop_quarantines_what_truncate_keeps():
+    prepared = prepare([json.dumps({**ROW, "response1": "four " * 40, "response2": "4 " * 30})])
+    out = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=64, length_policy="drop")
+    full = _full_tokens(out.iloc[0], load_tokenizer("v3"))
+    assert out["status"].tolist() == ["too_many_tokens"] and out["length_action"].tolist() == ["drop"]
+    assert f"the pair takes {full.num_tokens} tokens in a pack" in out["detail"][0]
+    assert out["num_tokens"][0] == full.num_tokens and out["tokens_truncated"][0] == 0
+
+
+def test_finish_refuses_split_for_pairs():
+    with pytest.raises(RaytrainError, match="'split' cannot apply to a preference pair"):
+        finish_pairs_batch(prepare([json.dumps(ROW)]), tokenizer_version="v3", seq_len=64, length_policy="split")
