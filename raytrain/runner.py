@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -100,9 +101,7 @@ def connect_ray(job: JobConfig) -> bool:
         log.info("joining Ray cluster at %s", redact(address))
         context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
-        # Logical CPUs: at least 4 even on a 2-core laptop, so the trainer's workers, Ray Data's read tasks and the
-        # Spark executors can all be scheduled (they mostly wait on each other, the OS shares the cores).
-        num_cpus = job.ray.num_cpus or max(4, os.cpu_count() or 1)
+        num_cpus = embedded_cpus(job)
         log.info("starting an embedded local Ray with %d logical CPUs", num_cpus)
         login = _embedded_auth()
         context = _init_embedded(num_cpus, runtime_env, job.ray.dashboard)
@@ -176,6 +175,15 @@ def _embedded_auth() -> str:
             log.warning("the Ray authentication token %s can be read by other users; fix: chmod 600 %s", path, path)
     AuthenticationTokenLoader.instance().reset_cache()
     return f" (token authentication: paste the token `ray get-auth-token` prints, from {path})"
+
+
+def embedded_cpus(job: JobConfig) -> int:
+    """Logical CPUs of the embedded local Ray (ray.num_cpus, else): at least 4 even on a 2-core laptop, and 2 more
+    than the trainer's workers take, so the workers, Ray Data's read tasks and the Spark executors can all be
+    scheduled (they mostly wait on each other, the OS shares the cores). pp 2 x dp 2 on 4 would leave the workers'
+    reads waiting forever."""
+    taken = math.ceil(job.train.num_workers * (job.train.worker_cpus or 1))
+    return job.ray.num_cpus or max(4, os.cpu_count() or 1, taken + 2)
 
 
 def _init_embedded(num_cpus: int, runtime_env: dict[str, Any], dashboard: bool) -> Any:

@@ -30,6 +30,21 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ray_six_cpus():
+    """One embedded Ray per test module with 6 logical CPUs: pp 2 x dp 2 trainer workers take four, and their
+    Ray Data reads need CPUs of their own beside them."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    from raytrain.runner import WORKER_ENV
+
+    ray.init(num_cpus=6, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The quick start's run (tests/demo_run.py), once per session: its console for test_console_run, its enriched

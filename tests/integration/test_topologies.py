@@ -22,7 +22,7 @@ from synthetic_data import synthetic_conversations, write_packed
 
 from raytrain.config import load_job_config
 from raytrain.pipeline.model import MistralConfig, layer_parameter_counts
-from raytrain.runner import WORKER_ENV, open_run, run_train
+from raytrain.runner import open_run, run_train
 
 STEPS = 4
 CONFIG = "configs/cpu-tiny.yaml"
@@ -77,18 +77,7 @@ def reference_micro_batch_digests(job) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=6, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def pp2_dp2(ray_cluster, tmp_path_factory):
+def pp2_dp2(ray_six_cpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("topologies")
     job = make_job(root, "pp2-dp2", "train.pp=2", "train.dp=2")
     packed = write_packed(job, synthetic_conversations(90, uuid_prefix="syn"))

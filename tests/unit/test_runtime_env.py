@@ -36,3 +36,18 @@ def test_inside_ray_job_submit_the_jobs_own_settings_win(monkeypatch):
     runtime_env = job_runtime_env()
     assert "AWS_ENDPOINT_URL_S3" not in runtime_env["env_vars"]
     assert "worker_process_setup_hook" not in runtime_env
+
+
+def test_the_embedded_ray_leaves_cpus_beside_the_trainers_workers(monkeypatch):
+    """pp 2 x dp 2 takes 4 logical CPUs: the embedded Ray gets 2 more for the workers' Ray Data reads (with 4 in
+    all they waited forever); ray.num_cpus, when set, is taken as it is."""
+    import os
+
+    from raytrain.config import load_job_config
+    from raytrain.runner import embedded_cpus
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert embedded_cpus(load_job_config("configs/demo.yaml", [])) == 4
+    assert embedded_cpus(load_job_config("configs/demo.yaml", ["train.pp=2", "train.dp=2"])) == 6
+    assert embedded_cpus(load_job_config("configs/demo.yaml", ["train.pp=2", "train.worker_cpus=1.5"])) == 5
+    assert embedded_cpus(load_job_config("configs/demo.yaml", ["train.pp=2", "train.dp=2", "ray.num_cpus=3"])) == 3
