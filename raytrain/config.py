@@ -93,7 +93,9 @@ class StorageConfig:
     inherits it. Folders are 0750 and files 0640 either way; empty keeps the user's own group."""
     init_from_run: str = ""
     """Another run's folder (URI or path, as `raytrain status` lists it) whose latest checkpoint this run starts
-    from while it has none of its own; that run is only read, never written or deleted."""
+    from while it has none of its own; that run is only read, never written or deleted. A fine-tune continues it
+    (its step, data position and optimizer); preference training (train.objective=dpo) takes only its weights,
+    from step 0, e.g. the fine-tune of the same project."""
 
     def __post_init__(self) -> None:
         _require(bool(self.root), "storage.root", "must not be empty (e.g. ./runs or s3://bucket/raytrain)")
@@ -521,9 +523,10 @@ class JobConfig:
         _require(self.train.objective != "dpo" or self.dataset.length_policy != "split", "dataset.length_policy",
                  "'split' cannot apply to preference pairs (train.objective=dpo): choose 'drop' or 'truncate'; "
                  "a pair's two sequences share one pack")
-        _require(self.train.objective != "dpo" or not self.storage.init_from_run, "storage.init_from_run",
-                 "train.objective=dpo starts from step 0 of its own: export the run to start from (`raytrain "
-                 "export`) and set model.init_from to that folder")
+        _require(self.train.objective != "dpo" or not self.storage.init_from_run or not self.model.lora.rank,
+                 "storage.init_from_run", "LoRA preference training takes its base from model.init_from: export "
+                 "the run to start from (`raytrain export`) and set model.init_from to that folder, or train "
+                 "the whole model (model.lora.rank=0) from the run")
         _require(self.model.attn_impl != "flex" or self.train.use_gpu, "model.attn_impl",
                  "'flex' needs GPUs (train.use_gpu=true): torch has no FlexAttention backward on the CPU; "
                  "use 'segment' (exact, no mask) or 'dense' on CPUs")

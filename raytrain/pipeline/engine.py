@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
 import torch
+from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from raytrain.config import LoraConfig
@@ -284,11 +285,13 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
                        partition_method: str, activation_checkpoint_interval: int, seed: int,
                        init_from: str = "", attn_impl: str = "dense",
                        activation_checkpoint_reentrant: bool = False, lora: LoraConfig | None = None,
-                       loss_fn: Any = None) -> StageEngine:
+                       loss_fn: Any = None, start_weights: Callable[[PipelineModule], None] | None = None
+                       ) -> StageEngine:
     """This process's stage in a DeepSpeed engine: built, loaded from ``init_from`` (a Hugging Face folder) when
     given, with LoRA adapters on a frozen base when ``lora.rank`` > 0 (only the adapters reach the optimizer).
     ``loss_fn``: the last stage's loss (``raytrain.pipeline.dpo.DpoLoss`` for preference training; None = the
-    fine-tune's token loss)."""
+    fine-tune's token loss). ``start_weights``: loads the stage's weights from elsewhere (another run's
+    checkpoint: ``load_layer_files``) before the engine exists."""
     topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     module = build_pipeline_module(model_cfg, pp, topology=topology, partition_method=partition_method,
                                    activation_checkpoint_interval=activation_checkpoint_interval, seed=seed,
@@ -298,6 +301,8 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
         from raytrain.pipeline.hf_io import load_hf_into_stage
 
         load_hf_into_stage(module, init_from)
+    if start_weights is not None:
+        start_weights(module)
     if lora is not None and lora.rank > 0:
         from raytrain.pipeline.lora import add_adapters
 
@@ -306,6 +311,24 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
                                            config=ds_config)
     keep_fp32_grad_norm(engine)
     return StageEngine.of(engine, adapters_only=lora is not None and lora.rank > 0)
+
+
+def stage_layer_files(module: PipelineModule) -> list[str]:
+    """The per-layer files of a checkpoint (relative to its step dir) that hold ``module``'s layers: DeepSpeed's
+    pipeline writes one per layer, so any pp reads any other pp's checkpoint."""
+    return [f"{DS_TAG}/layer_{i:02d}-model_states.pt" for i in range(module._local_start, module._local_stop)]
+
+
+def load_layer_files(module: PipelineModule, step_dir: str) -> None:
+    """Load ``module``'s layers from a checkpoint's per-layer files under ``step_dir`` (``stage_layer_files``),
+    strict: each file must hold exactly its layer's parameters."""
+    for layer, rel in zip(module.forward_funcs, stage_layer_files(module), strict=True):
+        if not hasattr(layer, "load_state_dict"):
+            continue
+        path = os.path.join(step_dir, *rel.split("/"))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is missing: the checkpoint does not hold this stage's layer")
+        layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
 
 
 def _model_states(names: list[str]) -> list[str]:

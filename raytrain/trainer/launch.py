@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -12,13 +14,13 @@ import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain.checkpoint.store import CheckpointStore
+from raytrain.checkpoint.store import CheckpointStore, CommittedCheckpoint
 from raytrain.config import JobConfig
 from raytrain.dataset.stream import PackedData
 from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.runlock import Fence, LockLostError
-from raytrain.storage import RunPaths, StorageLocation
+from raytrain.storage import RunPaths, StorageLocation, resolve
 from raytrain.trainer.evaluation import PackedFiles
 from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
 from raytrain.trainer.preference import reference_key
@@ -102,13 +104,20 @@ class StopOnUnretryableError(ray.train.UserCallback):
             raise type(refused)(str(refused))
 
 
-def _lora_base(job: JobConfig, run_root: StorageLocation) -> dict[str, Any]:
-    """A LoRA run's base (raytrain.pipeline.lora.base_identity; {} for a full fine-tune), after checking that the
-    run's newest checkpoint was trained with the same model.lora settings on the same base."""
+def _starting_weights(job: JobConfig, run_root: StorageLocation) -> dict[str, Any]:
+    """What the run's weights start from, recorded in its checkpoints: a LoRA run's base
+    (raytrain.pipeline.lora.base_identity), a preference run's source checkpoint (``source_weights``), {} otherwise;
+    after checking that the run's newest checkpoint was trained with the same model.lora settings on the same base."""
     from raytrain.pipeline.lora import base_identity, check_resume_settings, model_parameter_counts
 
-    base = base_identity(job) if job.model.lora.rank else {}
     latest = CheckpointStore(run_root).latest()
+    if job.train.objective == "dpo" and (job.storage.init_from_run or (latest and (latest.metadata.get("base") or {})
+                                                                       .get("init_from_run"))):
+        start = source_weights(job, latest)
+        log.info("train: the weights start from %s (storage.init_from_run, step %d): only the weights, this run "
+                 "counts its own steps", start["checkpoint"], start["step"])
+        return start
+    base = base_identity(job) if job.model.lora.rank else {}
     if latest is not None:
         check_resume_settings(latest.metadata.get("config") or {}, latest.metadata.get("base"), job, base,
                               f"checkpoint {latest.uri}")
@@ -118,6 +127,39 @@ def _lora_base(job: JobConfig, run_root: StorageLocation) -> dict[str, Any]:
                  ", ".join(lora.targets), f"{counts['trainable']:,}", f"{counts['total']:,}",
                  100 * counts["trainable"] / counts["total"])
     return base
+
+
+def source_weights(job: JobConfig, latest: CommittedCheckpoint | None) -> dict[str, Any]:
+    """Preference training from storage.init_from_run takes that run's weights (not its step, data or optimizer):
+    its latest checkpoint when this run has none of its own, afterwards the one this run started from (recorded in
+    its checkpoints), so a resumed run and its stored reference keep the weights they began with although the
+    other run goes on. RaytrainError naming the fix when that checkpoint is gone, the source changed, or it holds
+    no full model."""
+    started = (latest.metadata.get("base") or {}) if latest is not None else {}
+    wanted = job.storage.init_from_run
+    if started.get("init_from_run") and not wanted:
+        raise RaytrainError(f"this run started from {started['checkpoint']} (storage.init_from_run); set "
+                            f"storage.init_from_run={started['init_from_run']} again, or start a new storage.run_name")
+    source = CheckpointStore(resolve(wanted, s3_endpoint=job.storage.s3_endpoint or None), read_only=True)
+    if latest is not None and started.get("init_from_run") != source.run_root.uri:
+        raise RaytrainError(f"storage.init_from_run={wanted}: this run's checkpoint {latest.uri} did not start from "
+                            f"it ({started.get('checkpoint') or 'it started from model.init_from / the seed'}); "
+                            "set it as that run had it, or start a new storage.run_name")
+    ckpt = source.get(started["step"]) if started else source.latest()
+    if ckpt is None:
+        where = started.get("checkpoint") or source.root.uri
+        raise RaytrainError(f"storage.init_from_run={wanted}: no checkpoint {where} to take the starting weights "
+                            "from (it was deleted?); start a new storage.run_name from that run's current checkpoint")
+    saved_model = (ckpt.metadata.get("config") or {}).get("model") or {}
+    if (saved_model.get("lora") or {}).get("rank"):
+        raise RaytrainError(f"storage.init_from_run={wanted}: {ckpt.uri} holds LoRA adapters, not a whole model; "
+                            "export that run (`raytrain export`) and set model.init_from to the folder")
+    if saved_model.get("preset", job.model.preset) != job.model.preset:
+        raise RaytrainError(f"storage.init_from_run={wanted}: {ckpt.uri} is a model.preset={saved_model['preset']} "
+                            f"model, this config trains model.preset={job.model.preset}; set it as that run had it")
+    manifest = json.dumps(ckpt.manifest, sort_keys=True).encode()
+    return {"init_from_run": source.run_root.uri, "step": ckpt.step, "checkpoint": ckpt.uri,
+            "manifest_sha256": hashlib.sha256(manifest).hexdigest()}
 
 
 def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_failures: int = 0,
@@ -141,14 +183,14 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
                             "train.wandb_mode=online, or use a run root on a shared filesystem")
     if run_root.is_posix:
         RunPaths(run_root).reports.mkdirs()  # workers append metrics and data traces here
-    base = _lora_base(job, run_root)
+    base = _starting_weights(job, run_root)
     loop_config = LoopConfig(
         job=job, run_uri=run_root.uri, ds_config=ds_config, packed=_files_of(packed),
         validation=_files_of(validation) if validation is not None else None,
         benchmark=_files_of(benchmark) if benchmark is not None else None,
         local_reports_dir=RunPaths(run_root).reports.path if run_root.scheme == "file" else None,
         versions=software_versions(), fence=fence, base=base,
-        reference_key=reference_key(job, _files_of(packed).uri) if tc.objective == "dpo" else "")
+        reference_key=reference_key(job, _files_of(packed).uri, base) if tc.objective == "dpo" else "")
     storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,

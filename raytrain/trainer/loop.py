@@ -60,7 +60,9 @@ class LoopConfig:
     fence: Fence | None = None
     """The driver's run lock (token, generation): commits and cleanups check the lock still holds it."""
     base: dict[str, Any] = field(default_factory=dict)
-    """A LoRA run's base (raytrain.pipeline.lora.base_identity), recorded in every checkpoint; {} otherwise."""
+    """What the weights start from, recorded in every checkpoint: a LoRA run's base (raytrain.pipeline.lora.
+    base_identity), a preference run's source checkpoint (launch.source_weights: ``init_from_run``, ``step``), or
+    {}."""
     reference_key: str = ""
     """train.objective=dpo: the folder name of the stored reference log-probabilities (trainer.preference's key,
     computed once on the driver: it hashes the starting weights)."""
@@ -85,7 +87,8 @@ def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
                                activation_checkpoint_interval=tc.activation_checkpoint_interval,
                                activation_checkpoint_reentrant=tc.activation_checkpoint_reentrant,
                                seed=tc.seed, init_from=job.model.init_from, attn_impl=job.model.attn_impl,
-                               lora=job.model.lora, loss_fn=loss_fn)
+                               lora=job.model.lora, loss_fn=loss_fn,
+                               start_weights=_source_weights(cfg) if cfg.base.get("init_from_run") else None)
     endpoint = job.storage.s3_endpoint or None
     apply_run_umask()  # DeepSpeed's and torch.save's files: 0640 (a worker on another node has the node's umask)
     store = CheckpointStore(resolve(cfg.run_uri, s3_endpoint=endpoint), keep_last=tc.keep_last,
@@ -269,13 +272,30 @@ def _resume(stage: Any, store: CheckpointStore, topo: Topology, tc: Any, reports
 
 def _resume_source(store: CheckpointStore, job: JobConfig) -> CheckpointStore:
     """Where to resume from: this run's store, or, while the run has no checkpoint of its own and
-    storage.init_from_run names another run, that run's store opened read-only (never written or cleaned)."""
-    if not job.storage.init_from_run or store.latest() is not None:
+    storage.init_from_run names another run, that run's store opened read-only (never written or cleaned). Not for
+    preference training, which takes only the other run's weights (``_source_weights``)."""
+    if not job.storage.init_from_run or job.train.objective == "dpo" or store.latest() is not None:
         return store
     if dist.get_rank() == 0:
         store.cleanup_partials()  # this run's own leftovers (the source's are never touched); _resume's barrier follows
     source = resolve(job.storage.init_from_run, s3_endpoint=job.storage.s3_endpoint or None)
     return CheckpointStore(source, on_corrupt=job.train.on_corrupt_checkpoint, read_only=True)
+
+
+def _source_weights(cfg: LoopConfig) -> Callable[[Any], None]:
+    """Loads a stage's layers from the checkpoint a preference run starts from (``cfg.base``: another run's,
+    storage.init_from_run), read-only; on s3/hdfs only this stage's layer files are fetched."""
+    from raytrain.pipeline.engine import load_layer_files, stage_layer_files
+
+    def load(module: Any) -> None:
+        source = CheckpointStore(resolve(cfg.base["init_from_run"], s3_endpoint=cfg.job.storage.s3_endpoint or None),
+                                 read_only=True)
+        ckpt = source.get(cfg.base["step"])
+        if ckpt is None:
+            raise RuntimeError(f"{cfg.base['checkpoint']} vanished after the driver checked it")
+        with source.local_copy(ckpt, stage_layer_files(module), label="start") as local:
+            load_layer_files(module, local)
+    return load
 
 
 def _load_own_files(stage: Any, store: CheckpointStore, ckpt: CommittedCheckpoint, rank: int,

@@ -27,12 +27,13 @@ from raytrain.trainer.feed import pad_rows, to_pair_micro_batch
 from raytrain.trainer.schedule import Topology, validation_micro_batches_of
 
 
-def reference_key(job: JobConfig, packed_uri: str) -> str:
-    """What the stored reference log-probabilities depend on: the packed data and the starting weights (a hash of
-    ``model.init_from``'s files when it is a folder here: the driver computes it once per launch)."""
+def reference_key(job: JobConfig, packed_uri: str, start: dict[str, Any]) -> str:
+    """What the stored reference log-probabilities depend on: the packed data and the starting weights: ``start``
+    (the source checkpoint of storage.init_from_run, or a LoRA run's base) or else ``model.init_from``'s files (a
+    hash when it is a folder here) or the seed. The driver computes it once per launch."""
     from raytrain.pipeline.lora import base_identity
 
-    identity = {"data": job.data_hash(), "packed": packed_uri, "base": base_identity(job),
+    identity = {"data": job.data_hash(), "packed": packed_uri, "base": start or base_identity(job),
                 "tokenizer": job.dataset.tokenizer}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 

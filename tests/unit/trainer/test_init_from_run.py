@@ -68,3 +68,60 @@ def test_new_run_starts_from_another_runs_checkpoint_read_only(world_of_one, tmp
     no_source = load_job_config("configs/demo.yaml", [f"storage.root={root.path}", "storage.user=bob"])
     fresh = CheckpointStore(run_root(root, "bob", "p", "other"))
     assert _resume_source(fresh, no_source) is fresh
+
+
+def _commit_with_config(store, step, job, base=None):
+    staging = store.staging_dir(step)
+    with open(os.path.join(staging, "step.txt"), "w") as f:
+        f.write(str(step))
+    store.commit(step, {"config": job.to_dict(), **({"base": base} if base else {})})
+
+
+def test_preference_training_takes_only_the_weights_of_the_checkpoint_it_started_from(tmp_path):
+    """DPO from another run: no resume from that run (step 0, its own data); the starting checkpoint is that run's
+    latest, then pinned by this run's checkpoints while the other run goes on; what cannot start is refused."""
+    import pytest
+
+    from raytrain.errors import RaytrainError
+    from raytrain.trainer.launch import source_weights
+    from raytrain.trainer.preference import reference_key
+
+    root = resolve(str(tmp_path / "runs"))
+    sft = run_root(root, "alice", "p", "sft")
+    sft_job = load_job_config("configs/demo.yaml", [f"storage.root={root.path}", "storage.user=alice"])
+    sft_store = CheckpointStore(sft)
+    _commit_with_config(sft_store, 7, sft_job)
+    dpo = CheckpointStore(run_root(root, "alice", "p", "dpo"))
+    job = load_job_config("configs/demo-dpo.yaml", [f"storage.root={root.path}", "storage.user=alice",
+                                                    "storage.run_name=dpo", f"storage.init_from_run={sft.uri}"])
+    assert _resume_source(dpo, job) is dpo  # the other run's step, data position and optimizer are not taken
+    start = source_weights(job, None)
+    assert start["init_from_run"] == sft.uri and start["step"] == 7
+    assert start["checkpoint"] == sft_store.get(7).uri and len(start["manifest_sha256"]) == 64
+    packed = "file:///packed"
+    assert reference_key(job, packed, start) != reference_key(job, packed, {})  # other starting weights
+
+    _commit_with_config(dpo, 2, job, base=start)  # this run trained from step 7 ...
+    _commit_with_config(sft_store, 9, sft_job)  # ... while the fine-tune went on
+    assert source_weights(job, dpo.latest()) == start  # a resumed run keeps the weights it began with
+    without = load_job_config("configs/demo-dpo.yaml", [f"storage.root={root.path}", "storage.user=alice",
+                                                        "storage.run_name=dpo"])
+    with pytest.raises(RaytrainError, match="started from .*step_00000007.*set storage.init_from_run="):
+        source_weights(without, dpo.latest())
+    import shutil
+
+    shutil.rmtree(sft_store.get(7).local_path)
+    with pytest.raises(RaytrainError, match="no checkpoint .*step_00000007"):
+        source_weights(job, dpo.latest())
+
+    lora_run = run_root(root, "alice", "p", "lora")
+    lora_job = load_job_config("configs/demo.yaml", [f"storage.root={root.path}", "model.lora.rank=4"])
+    _commit_with_config(CheckpointStore(lora_run), 3, lora_job)
+    from_lora = load_job_config("configs/demo-dpo.yaml", [f"storage.root={root.path}", "storage.user=alice",
+                                                          f"storage.init_from_run={lora_run.uri}"])
+    with pytest.raises(RaytrainError, match="holds LoRA adapters, not a whole model"):
+        source_weights(from_lora, None)
+    from raytrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="storage.init_from_run.*LoRA preference training takes its base"):
+        load_job_config("configs/demo-dpo.yaml", [f"storage.init_from_run={sft.uri}", "model.lora.rank=4"])
