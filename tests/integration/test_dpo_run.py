@@ -1,11 +1,13 @@
 """Preference training end to end on CPU: HelpSteer3-shaped pairs packed by Ray Data -> the reference pass through a
-2-stage pipeline -> DPO steps in a TorchTrainer -> validation metrics, TensorBoard, checkpoints -> a resumed run.
+2-stage pipeline -> DPO steps in a TorchTrainer -> validation metrics, TensorBoard, checkpoints -> a resumed run;
+pp 2 x dp 2 against one process, LoRA, and a run starting from another run's weights.
 
 The pairs skip Spark (the pair enrichment is tested in test_enrich_spark.py): the sample's rows go through the same
 row logic and tokenizer in this process and are written as the enrichment writes them, then packed by the runner's
 own packing (raytrain.dataset.stream.pack_enriched_pairs) into each run's data folder."""
 
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -24,6 +26,8 @@ from raytrain.runner import open_run, run_train
 from raytrain.sample_data.preference import write_preference_sample
 
 MAX_STEPS = 4
+PP2_DP2 = ("train.pp=2", "train.dp=2", "train.grad_accum_steps=1")
+ONE_PROCESS = ("train.pp=1", "train.dp=1", "train.grad_accum_steps=2")  # the same global batch
 
 
 def _job(root, run_name: str, *extra: str):
@@ -74,28 +78,44 @@ def _reference_files(job) -> dict[str, tuple[int, np.ndarray]]:
 
 def _digests(job) -> dict[int, dict]:
     reports = open_run(job).root.join("reports").path
-    return {rank: json.load(open(os.path.join(reports, f"param_digest_rank{rank}.json")))["digests"] for rank in (0, 1)}
+    return {rank: json.load(open(os.path.join(reports, f"param_digest_rank{rank}.json")))["digests"]
+            for rank in range(job.train.num_workers)}
+
+
+def _final_weights(job) -> dict[str, torch.Tensor]:
+    """The run's last checkpoint as {layer file: {name: tensor}} (DeepSpeed writes one file per layer, any pp)."""
+    from raytrain.checkpoint.store import CheckpointStore
+
+    ckpt = CheckpointStore(open_run(job).root).latest()
+    folder = os.path.join(ckpt.local_path, "ds")
+    return {f"{name}/{k}": v for name in sorted(os.listdir(folder)) if name.startswith("layer_")
+            for k, v in torch.load(os.path.join(folder, name), weights_only=True).items()}
 
 
 @pytest.fixture(scope="module")
-def runs(ray_local, tmp_path_factory):
-    """Run a: MAX_STEPS steps in one launch. Run b: the same data, stopped after step 2 and launched again. Run c:
-    LoRA, pp 1 x dp 2."""
+def runs(ray_six_cpus, tmp_path_factory):
+    """Run a: MAX_STEPS steps, pp 2 x dp 2. Run c: one process (pp 1 x dp 1) on a's global batches. Run b: c
+    stopped after step 2 and launched again. Run d: LoRA on one process. Run e: two steps starting from a's weights
+    (storage.init_from_run), on one process. All on the same packs."""
     root = tmp_path_factory.mktemp("dpo-runs")
     sample = write_preference_sample(str(root / "sample"))
-    a, b = _job(root, "a"), _job(root, "b", "train.stop_at_step=2")
+    a = _job(root, "a", *PP2_DP2)
     _write_pairs(a, os.path.dirname(os.path.dirname(sample.train_path)))
-    shutil.copytree(open_run(a).paths.data.path, open_run(b).paths.data.path)  # same settings: same packs
     summary_a = run_train(a)
-    run_train(b)
+    c = _job(root, "c", *ONE_PROCESS)
+    assert c.train.global_batch_size == a.train.global_batch_size
+    b = _job(root, "b", *ONE_PROCESS, "train.stop_at_step=2")
+    d = _job(root, "d", *ONE_PROCESS, "model.lora.rank=4", "model.lora.alpha=8")
+    e = _job(root, "e", *ONE_PROCESS, "train.max_steps=2", f"storage.init_from_run={open_run(a).root.uri}")
+    for job in (b, c, d, e):  # same data settings: same packs
+        shutil.copytree(open_run(a).paths.packed.path, open_run(job).paths.packed.path)
+    a_checkpoints = sorted(os.listdir(open_run(a).root.join("checkpoints").path))
+    summaries = {name: run_train(job) for name, job in (("c", c), ("b", b), ("d", d), ("e", e))}
     first_launch = _reference_files(b)
-    summary_b = run_train(_job(root, "b"))
-    # c: LoRA on one stage, two replicas: the reference (adapters off) scored by both replicas, metrics over both
-    c = _job(root, "c", "train.pp=1", "train.dp=2", "model.lora.rank=4", "model.lora.alpha=8")
-    shutil.copytree(open_run(a).paths.data.join("packed").path, open_run(c).paths.packed.path)
-    summary_c = run_train(c)
-    return {"a": a, "b": _job(root, "b"), "c": c, "summary_a": summary_a, "summary_b": summary_b,
-            "summary_c": summary_c, "b_first_launch": first_launch}
+    summaries["b"] = run_train(_job(root, "b", *ONE_PROCESS))
+    assert sorted(os.listdir(open_run(a).root.join("checkpoints").path)) == a_checkpoints  # e only read a's
+    return {"a": a, "b": _job(root, "b", *ONE_PROCESS), "c": c, "d": d, "e": e, "summary_a": summary_a,
+            "summary_d": summaries["d"], "b_first_launch": first_launch}
 
 
 def test_first_step_is_ln2_with_zero_rewards(runs):
@@ -128,15 +148,16 @@ def test_validation_metrics_tensorboard_and_chart(runs):
 
 
 def test_resumed_run_is_bit_equal_and_does_not_score_the_reference_again(runs):
-    a, b = _metrics(runs["a"]), _metrics(runs["b"])
-    assert [a[s]["loss"] for s in sorted(a)] == [b[s]["loss"] for s in sorted(b)]
-    assert [a[s]["rewards/margins"] for s in sorted(a)] == [b[s]["rewards/margins"] for s in sorted(b)]
-    assert _digests(runs["a"]) == _digests(runs["b"])
+    """b (stopped after step 2, launched again) against c (one launch), both one process."""
+    c, b = _metrics(runs["c"]), _metrics(runs["b"])
+    assert [c[s]["loss"] for s in sorted(c)] == [b[s]["loss"] for s in sorted(b)]
+    assert [c[s]["rewards/margins"] for s in sorted(c)] == [b[s]["rewards/margins"] for s in sorted(b)]
+    assert _digests(runs["c"]) == _digests(runs["b"])
     first, second = runs["b_first_launch"], _reference_files(runs["b"])
     assert set(first) == set(second) == {"train.npy", "validation.npy"}
     for name, (mtime, values) in second.items():
         assert mtime == first[name][0]  # the second launch read them, it did not write them again
-        np.testing.assert_array_equal(values, _reference_files(runs["a"])[name][1])  # a scored the same
+        np.testing.assert_array_equal(values, _reference_files(runs["c"])[name][1])  # c scored the same
 
 
 def test_reference_logps_equal_the_starting_model_outside_the_pipeline(runs):
@@ -161,15 +182,95 @@ def test_reference_logps_equal_the_starting_model_outside_the_pipeline(runs):
     assert (stored[:2] < 0).all()  # the first pair slot holds a pair
 
 
-def test_lora_on_two_replicas_takes_the_base_as_reference(runs):
+def test_lora_takes_the_base_as_reference(runs):
     """With LoRA the reference is the base (adapters off), which is run a's seeded starting model: the stored
-    reference equals a's although c scored it on one stage with two replicas sharing the packs. Its metrics are
-    TRL's over both replicas' pairs."""
-    reference_a, reference_c = _reference_files(runs["a"]), _reference_files(runs["c"])
+    reference equals a's although d scored it on one stage and a on two stages with two replicas."""
+    reference_a, reference_d = _reference_files(runs["a"]), _reference_files(runs["d"])
     for name in ("train.npy", "validation.npy"):
-        np.testing.assert_allclose(reference_c[name][1], reference_a[name][1], rtol=1e-5, atol=1e-4)
-    metrics = _metrics(runs["c"])
+        np.testing.assert_allclose(reference_d[name][1], reference_a[name][1], rtol=1e-5, atol=1e-4)
+    metrics = _metrics(runs["d"])
     assert metrics[1]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # lora_B starts at 0: policy = base
     assert metrics[MAX_STEPS]["rewards/margins"] > 0 and metrics[MAX_STEPS]["loss"] < math.log(2)
     assert "validation/rewards/accuracies" in metrics[MAX_STEPS]
-    assert runs["summary_c"]["lora"]["rank"] == 4
+    assert runs["summary_d"]["lora"]["rank"] == 4
+
+
+def test_two_stages_and_two_replicas_equal_one_process(runs):
+    """pp 2 x dp 2 (a) and one process (c) on the same global batches: the same loss and TRL metrics step by step,
+    on validation too, and the same weights at the end (fp32 CPU; sums in another order: equal to rounding)."""
+    a, c = _metrics(runs["a"]), _metrics(runs["c"])
+    assert sorted(a) == sorted(c) == list(range(1, MAX_STEPS + 1))
+    for step in a:
+        for name in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "validation_loss",
+                     "validation/rewards/margins"):
+            if name in a[step] or name in c[step]:
+                assert c[step][name] == pytest.approx(a[step][name], rel=1e-5, abs=1e-6), (step, name)
+    weights_a, weights_c = _final_weights(runs["a"]), _final_weights(runs["c"])
+    assert sorted(weights_a) == sorted(weights_c)
+    for name, tensor in weights_a.items():
+        torch.testing.assert_close(weights_c[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_pair_is_never_split_across_micro_batches_or_replicas(runs):
+    """From a's data traces (pp 2 x dp 2): each micro-batch a rank consumed is the one pyarrow reads at its global
+    index (digest of its document ids); each pair's two segments sit next to each other in one pack of it, and
+    every pair of a step reaches exactly one replica."""
+    from raytrain.trainer.feed import epoch_order
+
+    job = runs["a"]
+    run = open_run(job)
+    packed = run.paths.packed.path
+    files = json.loads(open(os.path.join(packed, "_manifest.json")).read())["files"]
+    doc_ids = [d for name in files for d in pq.read_table(os.path.join(packed, name), columns=["doc_ids"])
+               .column("doc_ids").to_pylist()]
+    order = epoch_order(len(doc_ids), 0, job.train.seed, job.train.shuffle)
+    mbs = job.train.micro_batch_size
+    reports = run.root.join("reports").path
+    owner: dict[str, tuple[int, int]] = {}  # pair id -> (stage-0 dp rank, global micro-batch)
+    for rank in range(job.train.num_workers):
+        for record in map(json.loads, open(os.path.join(reports, f"data_trace_rank{rank}.jsonl"))):
+            for index, digest in record["consumed"]:
+                packs = [doc_ids[p] for p in order[index * mbs:(index + 1) * mbs]]
+                assert hashlib.sha1("|".join(packs).encode()).hexdigest()[:16] == digest
+                for pack in packs:
+                    segments = pack.split(",")
+                    assert len(segments) % 2 == 0 and segments[0::2] == segments[1::2]  # chosen, rejected
+                    for pair in segments[0::2]:
+                        if record["stage"] == 0:
+                            assert owner.setdefault(pair, (record["dp_rank"], index)) == (record["dp_rank"], index)
+                        else:  # the last stage read the same micro-batch as the first stage of its replica
+                            assert owner[pair] == (record["dp_rank"], index)
+    assert len(owner) > MAX_STEPS * job.train.global_batch_size  # several pairs per pack, every step's packs
+    assert {rank for rank, _ in owner.values()} == {0, 1}
+
+
+def test_preference_training_starts_from_another_runs_weights(runs):
+    """Run e takes run a's last weights (pp 2 x dp 2 files, loaded by one stage) and none of its steps: its
+    reference is a's trained model scored outside the pipeline, its first loss ln 2, its steps its own."""
+    from raytrain.dataset.pack_reader import PackReader
+    from raytrain.pipeline.dpo import pair_logps
+    from raytrain.pipeline.model import build_sequential, model_config
+
+    a, e = runs["a"], runs["e"]
+    metrics = _metrics(e)
+    assert sorted(metrics) == [1, 2]
+    assert metrics[1]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # policy = reference = a's weights
+    assert metrics[1]["logps/chosen"] != pytest.approx(_metrics(a)[1]["logps/chosen"], rel=1e-3)
+    model = build_sequential(model_config(e.model.preset), seed=e.train.seed).eval()
+    weights = _final_weights(a)
+    for index, layer in enumerate(model):
+        layer.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items()
+                               if k.startswith(f"layer_{index:02d}-")})
+    packed = open_run(e).paths.packed
+    manifest = json.loads(packed.join("_manifest.json").read_text())
+    pack = PackReader(packed.uri, manifest["files"]).read([0])
+    inputs = tuple(torch.from_numpy(pack[name]) for name in ("input_ids", "position_ids", "segment_ids"))
+    with torch.no_grad():
+        logps, _ = pair_logps(model(inputs), torch.from_numpy(pack["labels"]), inputs[2],
+                              torch.from_numpy(pack["pair_segments"]).view(1, -1, 2))
+    np.testing.assert_allclose(_reference_files(e)["train.npy"][1][0], logps.reshape(-1).numpy(), rtol=1e-5,
+                               atol=1e-4)
+    from raytrain.checkpoint.store import CheckpointStore
+
+    start = CheckpointStore(open_run(e).root).latest().metadata["base"]
+    assert start["init_from_run"] == open_run(a).root.uri and start["step"] == MAX_STEPS
