@@ -172,6 +172,11 @@ class EnrichConfig:
     """Eval files (JSONL/Parquet/text) to decontaminate against; 'sample' uses the sample dataset's eval set."""
     decontam_ngram: int = 13
     """n-gram length for decontamination overlap."""
+    pair_context: bool = False
+    """Preference pairs (train.objective=dpo): put the relevance selection's sentences into the prompt as for the
+    fine-tune (top_k, min_score, question_weight, system_prompt, answer_text), the last user turn as the question
+    and the chosen response as the answer side. Off by default: the annotators rated the responses against the
+    prompt as published."""
     context_corpus: tuple[str, ...] = ()
     """Document files or folders (Parquet or JSONL; local, file://, s3://) whose sentences become the context of
     rows that have none: split, exact duplicates collapsed, embedded once with embedding_model (cached under the
@@ -520,6 +525,9 @@ class JobConfig:
     def __post_init__(self) -> None:
         _require(self.train.objective != "dpo" or not self.enrich.context_corpus, "enrich.context_corpus",
                  "context from a corpus is not added to preference pairs (train.objective=dpo): set it to []")
+        _require(self.train.objective == "dpo" or not self.enrich.pair_context, "enrich.pair_context",
+                 "selects context for preference pairs only (train.objective=dpo); the fine-tune's rows always get "
+                 "it: remove the setting")
         _require(self.train.objective != "dpo" or self.dataset.length_policy != "split", "dataset.length_policy",
                  "'split' cannot apply to preference pairs (train.objective=dpo): choose 'drop' or 'truncate'; "
                  "a pair's two sequences share one pack")
@@ -563,6 +571,8 @@ class JobConfig:
         legacy["input_path"] = legacy.pop("path")
         if self.train.objective != "sft":  # preference pairs are other data from the same input settings
             sections["objective"] = self.train.objective
+        if not self.enrich.pair_context:  # hashed only when on: the hashes of runs made before it stay
+            sections["enrich"] = {k: v for k, v in sections["enrich"].items() if k != "pair_context"}
         return _short_hash({"data": legacy, **sections})
 
 

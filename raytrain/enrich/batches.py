@@ -200,26 +200,40 @@ def near_duplicate_drops(pairs: pd.DataFrame) -> pd.DataFrame:
 
 
 # ---- relevance selection -----------------------------------------------------------------------------------------
-def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: int, min_score: float,
-                 question_weight: float, system_prompt: str = "keep", answer_text: str = "final",
-                 num_threads: int = 0) -> pd.DataFrame:
-    """Working rows -> the same rows with the SELECTION columns added and ``messages_json`` rebuilt (raytrain.enrich
-    .context has the rules).
+@dataclass(frozen=True)
+class SelectedContext:
+    """One conversation after the relevance selection (``select_conversations``)."""
+
+    messages: list[dict]
+    """The conversation with the kept sentences placed (a context block, or the selected system prompt)."""
+    candidates: list[str]
+    """The sentences the selection chose from (empty: the conversation was not embedded)."""
+    selection: Any
+    """raytrain.enrich.relevance.Selection: scores and the kept indices."""
+    kept: list[str]
+    """The kept sentences."""
+    system_prompt_chars_removed: int
+    """Characters the 'select' mode removed from the system prompt (0 in 'keep' mode)."""
+
+
+def select_conversations(conversations: list[list[dict]], questions: list[str], answers: list[str], *,
+                         model_path: str, batch_size: int, top_k: int, min_score: float, question_weight: float,
+                         system_prompt: str = "keep", answer_text: str = "final", num_threads: int = 0
+                         ) -> list[SelectedContext]:
+    """The relevance selection of a batch of conversations (raytrain.enrich.context has the rules), one ``encode``
+    call for the batch (the model loaded once per process); what the fine-tune's rows and the preference pairs'
+    prompts share.
 
     ``system_prompt`` "keep": candidates are the prose sentences of the context (system prompts less toggle lines,
     earlier turns); the kept ones go into a ``<context>`` block before the last user turn, every system prompt
-    stays verbatim. "select": candidates are the system prompt's sentences, and only a row with more of them than
-    ``top_k`` and no tool calls is changed: its system prompt becomes its toggle lines plus the kept sentences
-    (``system_prompt_chars_removed`` counts what went). The answer side embeds ``answer_for_scoring(answer,
-    answer_text)``. One ``encode`` call per batch (model loaded once per process); rows without candidates are
-    not embedded and keep their messages.
-    """
+    stays verbatim. "select": candidates are the system prompt's sentences, and only a conversation with more of
+    them than ``top_k`` and no tool calls is changed: its system prompt becomes its toggle lines plus the kept
+    sentences. The answer side embeds ``answer_for_scoring(answer, answer_text)``. Conversations without
+    candidates are not embedded and keep their messages."""
     from raytrain.enrich.relevance import configure_threads, load_embedder, score_batch
 
     if num_threads:
         configure_threads(num_threads)
-    records = pdf.to_dict("records")
-    conversations = [json.loads(r["messages_json"]) for r in records]
     contexts = []
     for messages in conversations:
         if system_prompt == "keep":
@@ -228,31 +242,44 @@ def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: 
             sents = candidate_sentences(messages, include_earlier_turns=False).system
             has_calls = any(m.get("tool_calls") for m in messages)
             contexts.append(sents if len(sents) > top_k and not has_calls else [])
-    answers = [answer_for_scoring(r["answer"], answer_text) for r in records]
-    selections = score_batch(contexts, [r["question"] for r in records], answers,
+    selections = score_batch(contexts, questions, [answer_for_scoring(a, answer_text) for a in answers],
                              load_embedder(model_path or None), batch_size=batch_size, top_k=top_k,
-                             threshold=min_score, question_weight=question_weight) if records else []
-    out = pdf.copy()
-    rebuilt, kept_sentences, removed = [], [], []
+                             threshold=min_score, question_weight=question_weight) if conversations else []
+    out = []
     for messages, sents, sel in zip(conversations, contexts, selections, strict=True):
         kept = sel.kept(sents)
-        kept_sentences.append(kept)
         chars = 0
         if system_prompt == "keep":
             messages = with_context_block(messages, kept)
         elif sents:
             messages, chars = with_selected_system_prompt(messages, kept)
-        removed.append(chars)
-        rebuilt.append(json.dumps(messages, ensure_ascii=False))
-    out["context_sentences"] = contexts
-    out["kept_indices"] = [list(s.kept_indices) for s in selections]
-    out["kept_sentences"] = kept_sentences
-    out["sentence_scores"] = [s.scores.tolist() for s in selections]
-    out["question_scores"] = [s.q_scores.tolist() for s in selections]
-    out["answer_scores"] = [s.a_scores.tolist() for s in selections]
-    out["chunked_texts"] = np.asarray([s.chunked_texts for s in selections], dtype=np.int64)
-    out["system_prompt_chars_removed"] = np.asarray(removed, dtype=np.int64)
-    out["messages_json"] = rebuilt
+        out.append(SelectedContext(messages, sents, sel, kept, chars))
+    return out
+
+
+def select_batch(pdf: pd.DataFrame, *, model_path: str, batch_size: int, top_k: int, min_score: float,
+                 question_weight: float, system_prompt: str = "keep", answer_text: str = "final",
+                 num_threads: int = 0) -> pd.DataFrame:
+    """Working rows -> the same rows with the SELECTION columns added and ``messages_json`` rebuilt by
+    ``select_conversations`` (the row's ``question`` and ``answer`` are the two sides of the score);
+    ``system_prompt_chars_removed`` counts what the 'select' mode removed."""
+    records = pdf.to_dict("records")
+    selected = select_conversations([json.loads(r["messages_json"]) for r in records],
+                                    [r["question"] for r in records], [r["answer"] for r in records],
+                                    model_path=model_path, batch_size=batch_size, top_k=top_k, min_score=min_score,
+                                    question_weight=question_weight, system_prompt=system_prompt,
+                                    answer_text=answer_text, num_threads=num_threads)
+    out = pdf.copy()
+    out["context_sentences"] = [c.candidates for c in selected]
+    out["kept_indices"] = [list(c.selection.kept_indices) for c in selected]
+    out["kept_sentences"] = [c.kept for c in selected]
+    out["sentence_scores"] = [c.selection.scores.tolist() for c in selected]
+    out["question_scores"] = [c.selection.q_scores.tolist() for c in selected]
+    out["answer_scores"] = [c.selection.a_scores.tolist() for c in selected]
+    out["chunked_texts"] = np.asarray([c.selection.chunked_texts for c in selected], dtype=np.int64)
+    out["system_prompt_chars_removed"] = np.asarray([c.system_prompt_chars_removed for c in selected],
+                                                    dtype=np.int64)
+    out["messages_json"] = [json.dumps(c.messages, ensure_ascii=False) for c in selected]
     return out
 
 

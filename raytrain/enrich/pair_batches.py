@@ -24,7 +24,8 @@ import pyarrow as pa
 from raytrain.dataset.length import DROP, decide_pair_length
 from raytrain.dataset.reasons import Reason
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_pair
-from raytrain.enrich.batches import OK, fill_dedup_columns
+from raytrain.enrich.batches import OK, Scoring, fill_dedup_columns, select_conversations
+from raytrain.enrich.context import last_user_index
 from raytrain.enrich.conversation import short_repr
 from raytrain.enrich.dedup import exact_key
 from raytrain.enrich.preference import PreferenceExample, derive_pair
@@ -43,7 +44,11 @@ PAIR_TOKENS = pa.schema([("margin", pa.float64()), ("prompt_ids", pa.list_(pa.in
 """A kept pair's tokens, as they go into a pack: ``num_tokens`` is what it takes there (the prompt twice and both
 responses, after any truncation). ``length_action``: the length policy's keep, truncate or drop ("" when the pair was
 not tokenized); ``tokens_truncated``: the response tokens truncation cut (0 otherwise)."""
-PAIR_FINISHED = pa.schema([*PAIR_ROW, *PAIR_TOKENS])
+PAIR_CONTEXT = pa.schema([("context_sentences_kept", pa.int64()), ("system_prompt_chars_removed", pa.int64())])
+"""What the relevance selection did to a pair's prompt (enrich.pair_context; 0 when off): the sentences it kept
+(in a context block, or as the system prompt with enrich.system_prompt=select) and the system prompt's characters
+it removed."""
+PAIR_FINISHED = pa.schema([*PAIR_ROW, *PAIR_TOKENS, *PAIR_CONTEXT])
 
 
 def _empty(schema: pa.Schema) -> dict[str, Any]:
@@ -96,21 +101,29 @@ def prepare_pairs_batch(pdf: pd.DataFrame, *, max_chars: int, num_perm: int, ban
     return pd.DataFrame(out, columns=list(PAIR_PREPARED.names)).astype({"row_id": "int64", "eval_ngrams": "int64"})
 
 
-def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: int,
-                       length_policy: str) -> pd.DataFrame:
+def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: int, length_policy: str,
+                       scoring: Scoring | None = None, system_prompt: str = "keep") -> pd.DataFrame:
     """PAIR_ROW rows with their final verdict -> PAIR_FINISHED rows; the kept ones tokenized, or quarantined as
     untokenizable or too_many_tokens.
+
+    With ``scoring`` (enrich.pair_context) the kept pairs' prompts first go through the fine-tune's relevance
+    selection (``batches.select_conversations``, ``system_prompt`` as enrich.system_prompt): the last user turn is
+    the question, the chosen response the answer side; ``pair_json`` holds the prompt as trained.
 
     A pair longer than ``seq_len`` goes through ``length_policy`` (drop | truncate): a truncated pair keeps the start
     of each response, so a cut response has no EOS (as the fine-tune's truncated answer); a dropped one keeps its
     full tokens in the row (the quarantine does not write them) and the detail names the counts."""
     tokenizer = load_tokenizer(tokenizer_version)
-    empty = _empty(PAIR_TOKENS)
+    empty = _empty(PAIR_TOKENS) | _empty(PAIR_CONTEXT)
     out: dict[str, list] = {name: [] for name in PAIR_FINISHED.names}
-    for row in pdf[list(PAIR_ROW.names)].to_dict("records"):
-        values = {**row, **empty}
+    rows = pdf[list(PAIR_ROW.names)].to_dict("records")
+    pairs = {i: json.loads(row["pair_json"]) for i, row in enumerate(rows) if row["status"] == OK}
+    context = _select_prompts(pairs, scoring, system_prompt) if scoring is not None else {}
+    for i, row in enumerate(rows):
+        values = {**row, **empty, **context.get(i, {})}
         if row["status"] == OK:
-            pair = json.loads(row["pair_json"])
+            pair = pairs[i]
+            values["pair_json"] = json.dumps(pair, ensure_ascii=False) if i in context else row["pair_json"]
             try:
                 tokens = tokenize_pair(row["uuid"], pair["prompt"], pair["chosen"], pair["rejected"], tokenizer)
             except RaytrainError as e:
@@ -131,7 +144,23 @@ def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: in
         for name in PAIR_FINISHED.names:
             out[name].append(values[name])
     return pd.DataFrame(out, columns=list(PAIR_FINISHED.names)).astype(
-        {"row_id": "int64", "num_tokens": "int64", "margin": "float64", "tokens_truncated": "int64"})
+        {"row_id": "int64", "num_tokens": "int64", "margin": "float64", "tokens_truncated": "int64",
+         "context_sentences_kept": "int64", "system_prompt_chars_removed": "int64"})
+
+
+def _select_prompts(pairs: dict[int, dict], scoring: Scoring, system_prompt: str) -> dict[int, dict[str, int]]:
+    """The relevance selection on the prompts of ``pairs`` (row -> pair, changed in place): row -> PAIR_CONTEXT."""
+    rows = list(pairs)
+    prompts = [pairs[i]["prompt"] for i in rows]
+    questions = [prompt[last_user_index(prompt)]["content"] for prompt in prompts]
+    selected = select_conversations(prompts, questions, [pairs[i]["chosen"] for i in rows], **scoring.keywords(),
+                                    system_prompt=system_prompt)
+    out = {}
+    for i, chosen in zip(rows, selected, strict=True):
+        pairs[i]["prompt"] = chosen.messages
+        out[i] = {"context_sentences_kept": len(chosen.kept),
+                  "system_prompt_chars_removed": chosen.system_prompt_chars_removed}
+    return out
 
 
 def _plain(value: Any) -> str:

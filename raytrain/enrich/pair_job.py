@@ -54,7 +54,8 @@ def enrich_pairs_in_session(spark, job: JobConfig, inputs: PairInputFiles, evals
     dups.unpersist()
     finished.unpersist()
 
-    report = build_pair_report(rows_in, groups, evals.sources, inputs.describe(), time.perf_counter() - t_start)
+    report = build_pair_report(rows_in, groups, evals.sources, inputs.describe(), time.perf_counter() - t_start,
+                               job.dataset, job.enrich)
     enriched_files, enriched_rows = footer_rows(paths.enriched)
     quarantine_files, quarantine_rows = footer_rows(paths.quarantine)
     if not rows_in == enriched_rows + quarantine_rows == report["rows_out"] + sum(report["quarantined"].values()):

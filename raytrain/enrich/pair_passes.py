@@ -13,13 +13,15 @@ from pyspark.sql import functions as F
 from raytrain.config import JobConfig
 from raytrain.dataset.length import TRUNCATE
 from raytrain.enrich import pair_batches
+from raytrain.enrich.batches import Scoring
 from raytrain.enrich.dedup import lsh_params
 from raytrain.enrich.passes import NUM_PERM, SHINGLE_CHARS, spark_schema, with_final_verdict
 
 ENRICHED_COLUMNS = ("uuid", "split", "domain", "language", "margin", "prompt_ids", "chosen_ids", "rejected_ids",
-                    "num_tokens", "length_action", "tokens_truncated", "pair_json")
+                    "num_tokens", "length_action", "tokens_truncated", "context_sentences_kept", "pair_json")
 """The enriched pairs' columns (``uuid`` is the pair id; the token columns as they go into a pack, after the length
-policy, with what it did: ``length_action`` keep or truncate, ``tokens_truncated``)."""
+policy, with what it did: ``length_action`` keep or truncate, ``tokens_truncated``; ``pair_json`` the prompt as
+trained, ``context_sentences_kept`` what enrich.pair_context put into it)."""
 QUARANTINE_COLUMNS = ("uuid", "split", "domain", "language", "reason", "detail")
 
 
@@ -56,11 +58,13 @@ def finish_pairs(prepared: DataFrame, flags: DataFrame, job: JobConfig) -> DataF
     rows = with_final_verdict(prepared, flags, job.enrich.decontam_ngram, pair_batches.PAIR_ROW.names)
     rows = rows.repartition(job.enrich.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
     version, seq_len, policy = job.dataset.tokenizer, job.dataset.seq_len, job.dataset.length_policy
+    scoring = Scoring.from_config(job.enrich) if job.enrich.pair_context else None
+    system_prompt = job.enrich.system_prompt
 
     def body(frames):
         for pdf in frames:
             yield pair_batches.finish_pairs_batch(pdf, tokenizer_version=version, seq_len=seq_len,
-                                                  length_policy=policy)
+                                                  length_policy=policy, scoring=scoring, system_prompt=system_prompt)
 
     finished = rows.mapInPandas(body, schema=spark_schema(pair_batches.PAIR_FINISHED))
     return finished.persist(StorageLevel.MEMORY_AND_DISK)
@@ -71,14 +75,23 @@ def quarantined_pairs(finished: DataFrame) -> DataFrame:
         .select(*QUARANTINE_COLUMNS)
 
 
+TALLY_SUMS = ("rows_truncated", "tokens_truncated", "rows_with_context", "context_sentences_kept",
+              "system_prompt_chars_removed")
+"""What ``tally`` adds up per group besides the rows: the length policy's cuts and the context selection's work."""
+
+
 def tally(finished: DataFrame) -> list[dict[str, Any]]:
-    """Rows per (split, domain, language, status), with the pairs the length policy truncated and the tokens it cut:
-    one small aggregation the report is built from."""
+    """Rows per (split, domain, language, status), with the pairs the length policy truncated and the tokens it cut,
+    the kept pairs that got context sentences and how many: one small aggregation the report is built from."""
+    kept = F.col("status") == pair_batches.OK  # the context of a pair quarantined later is not counted
     groups = finished.groupBy("split", "domain", "language", "status").agg(
         F.count(F.lit(1)).alias("rows"),
         F.sum(F.when(F.col("length_action") == TRUNCATE, 1).otherwise(0)).alias("rows_truncated"),
-        F.sum("tokens_truncated").alias("tokens_truncated")).collect()
+        F.sum("tokens_truncated").alias("tokens_truncated"),
+        F.sum(F.when(kept & (F.col("context_sentences_kept") > 0), 1).otherwise(0)).alias("rows_with_context"),
+        F.sum(F.when(kept, F.col("context_sentences_kept")).otherwise(0)).alias("context_sentences_kept"),
+        F.sum(F.when(kept, F.col("system_prompt_chars_removed")).otherwise(0)).alias("system_prompt_chars_removed")
+    ).collect()
     return sorted(({"split": r["split"], "domain": r["domain"], "language": r["language"], "status": r["status"],
-                    "rows": int(r["rows"]), "rows_truncated": int(r["rows_truncated"]),
-                    "tokens_truncated": int(r["tokens_truncated"])} for r in groups),
+                    "rows": int(r["rows"]), **{k: int(r[k]) for k in TALLY_SUMS}} for r in groups),
                   key=lambda g: (g["split"], g["domain"], g["language"], g["status"]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain.config import JobConfig
+from raytrain.config import DatasetConfig, EnrichConfig, JobConfig
 from raytrain.dataset.reasons import STEP_REASONS, Reason
 from raytrain.enrich.plan import EnrichPlan
 from raytrain.storage import MANIFEST, RunPaths, StorageLocation
@@ -316,14 +316,20 @@ def pair_step_counts(rows_in: int, per_reason: dict[str, int]) -> list[StepCount
 
 
 def build_pair_report(rows_in: int, groups: list[dict[str, Any]], sources: list[dict[str, Any]],
-                      inputs: list[str], seconds: float) -> dict[str, Any]:
+                      inputs: list[str], seconds: float, dataset: DatasetConfig, enrich: EnrichConfig
+                      ) -> dict[str, Any]:
     """The pair enrichment's report from its tally (rows per split, domain, language and status, with the pairs the
     length policy truncated and the tokens it cut): counts per reason, per step, per split / domain / language kept
-    and quarantined, and ``length`` (pairs truncated, tokens cut). AssertionError when they do not add up to
+    and quarantined, ``length`` (the policy and seq_len, pairs truncated, tokens cut) and ``context``
+    (enrich.pair_context: pairs that got sentences, sentences kept, system prompt characters removed). AssertionError when they do not add up to
     ``rows_in`` (a bug)."""
     per_reason: dict[str, int] = {}
-    length = {"rows_truncated": sum(g["rows_truncated"] for g in groups),
+    length = {"policy": dataset.length_policy, "seq_len": dataset.seq_len,
+              "rows_truncated": sum(g["rows_truncated"] for g in groups),
               "tokens_truncated": sum(g["tokens_truncated"] for g in groups)}
+    context = {"on": enrich.pair_context, **{k: sum(g[k] for g in groups) for k in
+                                             ("rows_with_context", "context_sentences_kept",
+                                              "system_prompt_chars_removed")}}
     by: dict[str, dict[str, dict[str, int]]] = {"split": {}, "domain": {}, "language": {}}
     for g in groups:
         kept = g["status"] == "ok"
@@ -336,6 +342,7 @@ def build_pair_report(rows_in: int, groups: list[dict[str, Any]], sources: list[
     return {"kind": "preference_pairs", "rows_in": rows_in, "rows_out": steps[-1].rows_out,
             "quarantined": dict(sorted(per_reason.items())), "steps": [c.to_dict() for c in steps],
             "per_split": by["split"], "per_domain": by["domain"], "per_language": by["language"], "length": length,
+            "context": context,
             "inputs": inputs, "eval_sets": sources, "seconds": round(seconds, 1)}
 
 
@@ -348,6 +355,12 @@ def pair_summary_text(report: dict[str, Any]) -> str:
     for key in ("per_split", "per_domain", "per_language"):
         lines.append(f"{key.replace('per_', 'per ')}: " + ", ".join(
             f"{name} {v['kept']} kept / {v['quarantined']} quarantined" for name, v in sorted(report[key].items())))
+    context = report["context"]
+    if context["on"]:
+        lines.append(f"context selection on the prompts: {context['rows_with_context']} pairs got "
+                     f"{context['context_sentences_kept']} sentences"
+                     + (f", {context['system_prompt_chars_removed']} system prompt characters removed"
+                        if context["system_prompt_chars_removed"] else ""))
     length = report["length"]
     if length["rows_truncated"]:
         lines.append(f"length policy truncate: {length['rows_truncated']} pairs kept with their responses cut "

@@ -255,6 +255,56 @@ def test_enrichment_from_s3_to_s3(roots, spark, tmp_path):
     assert run_root.join("reports", "enrich_summary.txt").is_file()
 
 
+def test_preference_enrichment_from_s3_to_s3(roots, spark, tmp_path):
+    """HelpSteer3's preference files as the hub lays them out, in the bucket: found through s3://, read by Spark
+    through s3a:// (gzip by the name), enriched to the s3:// run root. Every line leaves through one door, as on a
+    POSIX root, the written files agree with the lines read, and the truncated pairs and those given context
+    sentences are the report's."""
+    import gzip
+
+    import pyarrow.fs as pafs
+
+    from raytrain.enrich.pair_inputs import discover_pair_inputs
+    from raytrain.enrich.pair_job import enrich_pairs_in_session
+    from raytrain.enrich.plan import load_eval_texts
+    from raytrain.sample_data.preference import write_preference_sample
+
+    s3 = roots["s3"]
+    local = tmp_path / "helpsteer3"
+    sample = write_preference_sample(str(local))
+    input_root = s3.join("helpsteer3")
+    pafs.copy_files(str(local), input_root.path, destination_filesystem=input_root.filesystem)
+    # a short seq_len under truncate and the context selection on: their work runs in Spark's workers too
+    job = load_job_config("configs/demo-dpo.yaml", ["enrich.num_partitions=2", f"storage.s3_endpoint={s3.s3_endpoint}",
+                                                    "dataset.seq_len=384", "dataset.length_policy=truncate",
+                                                    "enrich.pair_context=true"])
+    inputs = discover_pair_inputs(input_root)
+    assert {split: loc.uri for split, loc in inputs.files.items()} == {
+        split: input_root.join("preference", f"{split}.jsonl.gz").uri for split in ("train", "validation")}
+    evals = load_eval_texts((input_root.join("eval", "preference_eval_set.jsonl").uri,), input_root, s3.s3_endpoint)
+    run_root = s3.join("runs", "ci", "forms", "pairs-s3")
+    result = enrich_pairs_in_session(spark, job, inputs, evals, run_root)
+    lines = sum(1 for path in (sample.train_path, sample.validation_path)
+                for line in gzip.open(path, "rt", encoding="utf-8") if line.strip())
+    fs = s3.filesystem
+    enriched = pq.read_table(result.enriched.path, filesystem=fs)
+    quarantine = pq.read_table(result.quarantine.path, filesystem=fs)
+    assert result.enriched.uri.startswith("s3://") and enriched.num_rows == result.report["rows_out"] > 0
+    assert enriched.num_rows + quarantine.num_rows == lines == result.report["rows_in"]
+    assert sorted(set(quarantine.column("reason").to_pylist())) == sorted(result.report["quarantined"])
+    assert "tie" in result.report["quarantined"] and "contaminated" in result.report["quarantined"]
+    truncated = [r for r in enriched.to_pylist() if r["length_action"] == "truncate"]
+    assert len(truncated) == result.report["length"]["rows_truncated"] > 0
+    assert sum(r["tokens_truncated"] for r in truncated) == result.report["length"]["tokens_truncated"]
+    assert max(enriched.column("num_tokens").to_pylist()) <= 384
+    context = result.report["context"]
+    assert sum(enriched.column("context_sentences_kept").to_pylist()) == context["context_sentences_kept"] > 0
+    with_context = [json.loads(r["pair_json"]) for r in enriched.to_pylist() if r["context_sentences_kept"]]
+    assert len(with_context) == context["rows_with_context"]
+    assert all("<context>" in pair["prompt"][-1]["content"] for pair in with_context)
+    assert run_root.join("reports", "enrich_summary.txt").is_file()
+
+
 def test_near_duplicate_chains_and_stars_collapse_in_spark(spark):
     """steps.duplicates on real Spark (borrowing this module's session, so CI starts no other): one bucket holds a
     chain a~b~c~d, whose ends are not near duplicates of each other, a star around e, whose leaves are not, a row x

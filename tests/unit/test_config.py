@@ -333,3 +333,10 @@ def test_preference_pairs_refuse_the_split_length_policy():
         assert load_job_config("configs/demo-dpo.yaml", [f"dataset.length_policy={policy}"]).dataset.length_policy \
             == policy
     assert load_job_config(DEMO, ["dataset.length_policy=split"]).dataset.length_policy == "split"  # the fine-tune
+
+
+def test_pair_context_is_for_preference_pairs_only():
+    with pytest.raises(ConfigError, match=r"^enrich\.pair_context: selects context for preference pairs only"):
+        load_job_config(DEMO, ["enrich.pair_context=true"])
+    job = load_job_config("configs/demo-dpo.yaml", ["enrich.pair_context=true"])
+    assert job.enrich.pair_context and job.data_hash() != load_job_config("configs/demo-dpo.yaml", []).data_hash()

@@ -2,6 +2,7 @@
 
 import pytest
 
+from raytrain.config import DatasetConfig, EnrichConfig
 from raytrain.enrich.report import (
     StepCounts,
     build_pair_report,
@@ -130,16 +131,21 @@ def test_every_quarantine_reason_is_counted_by_exactly_one_step():
 
 
 def test_pair_report_counts_truncated_pairs_and_the_summary_says_so():
-    def group(split, status, rows, truncated=0, tokens=0):
+    def group(split, status, rows, truncated=0, tokens=0, with_context=0):
         return {"split": split, "domain": "general", "language": "english", "status": status, "rows": rows,
-                "rows_truncated": truncated, "tokens_truncated": tokens}
+                "rows_truncated": truncated, "tokens_truncated": tokens, "rows_with_context": with_context,
+                "context_sentences_kept": 2 * with_context, "system_prompt_chars_removed": 0}
 
-    groups = [group("train", "ok", 7, 2, 150), group("train", "too_many_tokens", 1),
+    groups = [group("train", "ok", 7, 2, 150, with_context=3), group("train", "too_many_tokens", 1),
               group("validation", "ok", 2, 1, 30)]
-    report = build_pair_report(10, groups, [], [], 1.0)
+    report = build_pair_report(10, groups, [], [], 1.0, DatasetConfig(length_policy="truncate"),
+                               EnrichConfig(pair_context=True))
     assert report["rows_out"] == 9 and report["quarantined"] == {"too_many_tokens": 1}
-    assert report["length"] == {"rows_truncated": 3, "tokens_truncated": 180}
+    assert report["length"] == {"policy": "truncate", "seq_len": 128, "rows_truncated": 3, "tokens_truncated": 180}
     assert "length policy truncate: 3 pairs kept with their responses cut (-180 tokens)" in pair_summary_text(report)
-    none_cut = build_pair_report(10, [group("train", "ok", 10)], [], [], 1.0)
-    assert none_cut["length"] == {"rows_truncated": 0, "tokens_truncated": 0}
-    assert "truncate" not in pair_summary_text(none_cut)
+    assert report["context"] == {"on": True, "rows_with_context": 3, "context_sentences_kept": 6,
+                                 "system_prompt_chars_removed": 0}
+    assert "context selection on the prompts: 3 pairs got 6 sentences\n" in pair_summary_text(report)
+    none_cut = build_pair_report(10, [group("train", "ok", 10)], [], [], 1.0, DatasetConfig(), EnrichConfig())
+    assert none_cut["length"] == {"policy": "drop", "seq_len": 128, "rows_truncated": 0, "tokens_truncated": 0}
+    assert "truncate" not in pair_summary_text(none_cut) and "context selection" not in pair_summary_text(none_cut)

@@ -128,3 +128,36 @@ def test_finish_under_drop_quarantines_what_truncate_keeps():
 def test_finish_refuses_split_for_pairs():
     with pytest.raises(RaytrainError, match="'split' cannot apply to a preference pair"):
         finish_pairs_batch(prepare([json.dumps(ROW)]), tokenizer_version="v3", seq_len=64, length_policy="split")
+
+
+def test_pair_context_puts_the_fine_tunes_selection_into_the_prompt_and_the_pair_trains_it():
+    """enrich.pair_context: a pair whose context has prose before the last user turn gets the sentences the
+    fine-tune's selection keeps (question: the last user turn, answer side: the chosen response), in the same
+    context block; its tokens are the rebuilt prompt's. A pair without context keeps its prompt; off, nothing
+    changes."""
+    from raytrain.config import EnrichConfig
+    from raytrain.enrich.batches import Scoring, select_conversations
+    from raytrain.enrich.context import context_block
+
+    facts = ("Bananas are rich in potassium. The Eiffel Tower was finished in 1889. Penguins cannot fly. "
+             "The stock market fell on Tuesday.")
+    context = [{"role": "system", "content": facts}, {"role": "user", "content": "When was the Eiffel Tower completed?"}]
+    with_context = {**ROW, "context": context, "response1": "It was completed in 1889.",
+                    "response2": "Towers are tall."}
+    prepared = prepare([json.dumps(with_context), json.dumps(ROW)])
+    scoring = Scoring.from_config(EnrichConfig(pair_context=True))
+    out = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=512, length_policy="drop", scoring=scoring)
+    assert out["status"].tolist() == ["ok", "ok"]
+    expected = select_conversations([context], [context[-1]["content"]], ["It was completed in 1889."],
+                                    **scoring.keywords())[0]
+    assert "The Eiffel Tower was finished in 1889." in expected.kept and len(expected.kept) < 4
+    pair = json.loads(out["pair_json"][0])
+    assert [(m["role"], m.get("tool_calls") or []) for m in pair["prompt"]] == [("system", []), ("user", [])]
+    assert pair["prompt"][0]["content"] == facts  # the system prompt verbatim (enrich.system_prompt keep)
+    assert pair["prompt"][1]["content"] == context_block(expected.kept) + "\n\n" + context[1]["content"]
+    assert out["context_sentences_kept"].tolist() == [len(expected.kept), 0]
+    tokens = tokenize_pair("x", pair["prompt"], pair["chosen"], pair["rejected"], load_tokenizer("v3"))
+    assert list(out["prompt_ids"][0]) == list(tokens.prompt)
+    assert json.loads(out["pair_json"][1]) == json.loads(prepared["pair_json"][1])  # no context: unchanged
+    off = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=512, length_policy="drop")
+    assert off["pair_json"][0] == prepared["pair_json"][0] and off["context_sentences_kept"].tolist() == [0, 0]
