@@ -15,7 +15,7 @@ from raytrain.dataset.length import TRUNCATE
 from raytrain.enrich import pair_batches
 from raytrain.enrich.batches import Scoring
 from raytrain.enrich.dedup import lsh_params
-from raytrain.enrich.passes import NUM_PERM, SHINGLE_CHARS, spark_schema, with_final_verdict
+from raytrain.enrich.passes import NUM_PERM, SHINGLE_CHARS, TORCH_THREADS_PER_TASK, spark_schema, with_final_verdict
 
 ENRICHED_COLUMNS = ("uuid", "split", "domain", "language", "margin", "prompt_ids", "chosen_ids", "rejected_ids",
                     "num_tokens", "length_action", "tokens_truncated", "context_sentences_kept", "pair_json")
@@ -58,7 +58,7 @@ def finish_pairs(prepared: DataFrame, flags: DataFrame, job: JobConfig) -> DataF
     rows = with_final_verdict(prepared, flags, job.enrich.decontam_ngram, pair_batches.PAIR_ROW.names)
     rows = rows.repartition(job.enrich.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
     version, seq_len, policy = job.dataset.tokenizer, job.dataset.seq_len, job.dataset.length_policy
-    scoring = Scoring.from_config(job.enrich) if job.enrich.pair_context else None
+    scoring = Scoring.from_config(job.enrich, num_threads=TORCH_THREADS_PER_TASK) if job.enrich.pair_context else None
     system_prompt = job.enrich.system_prompt
 
     def body(frames):

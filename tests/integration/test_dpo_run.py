@@ -244,23 +244,48 @@ def test_a_pair_is_never_split_across_micro_batches_or_replicas(runs):
     assert {rank for rank, _ in owner.values()} == {0, 1}
 
 
+def _sequential(job) -> torch.nn.Sequential:
+    """Our layers with the run's last weights, from DeepSpeed's layer files (no export code involved)."""
+    from raytrain.pipeline.model import build_sequential, model_config
+
+    model = build_sequential(model_config(job.model.preset), seed=job.train.seed + 1).eval()
+    weights = _final_weights(job)
+    for index, layer in enumerate(model):
+        layer.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items()
+                               if k.startswith(f"layer_{index:02d}-")}, strict=True)
+    return model
+
+
+def test_export_of_a_preference_run_serves_its_weights_in_transformers(runs, tmp_path):
+    """`raytrain export` of run e (DPO, started from a's weights): transformers loads the model and the tokenizer,
+    and its logits are our layers' from the run's last checkpoint."""
+    import transformers
+
+    from raytrain.runner import export_latest
+
+    e = runs["e"]
+    out = export_latest(e, str(tmp_path / "hf"))
+    hf = transformers.MistralForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tokenizer("Which answer is better?")["input_ids"]])
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        ours = _sequential(e)((ids, torch.arange(ids.shape[1]).view(1, -1), torch.zeros_like(ids)))
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
 def test_preference_training_starts_from_another_runs_weights(runs):
     """Run e takes run a's last weights (pp 2 x dp 2 files, loaded by one stage) and none of its steps: its
     reference is a's trained model scored outside the pipeline, its first loss ln 2, its steps its own."""
     from raytrain.dataset.pack_reader import PackReader
     from raytrain.pipeline.dpo import pair_logps
-    from raytrain.pipeline.model import build_sequential, model_config
 
     a, e = runs["a"], runs["e"]
     metrics = _metrics(e)
     assert sorted(metrics) == [1, 2]
     assert metrics[1]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # policy = reference = a's weights
     assert metrics[1]["logps/chosen"] != pytest.approx(_metrics(a)[1]["logps/chosen"], rel=1e-3)
-    model = build_sequential(model_config(e.model.preset), seed=e.train.seed).eval()
-    weights = _final_weights(a)
-    for index, layer in enumerate(model):
-        layer.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items()
-                               if k.startswith(f"layer_{index:02d}-")})
+    model = _sequential(a)
     packed = open_run(e).paths.packed
     manifest = json.loads(packed.join("_manifest.json").read_text())
     pack = PackReader(packed.uri, manifest["files"]).read([0])
