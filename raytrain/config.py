@@ -95,7 +95,7 @@ class StorageConfig:
     """Another run's folder (URI or path, as `raytrain status` lists it) whose latest checkpoint this run starts
     from while it has none of its own; that run is only read, never written or deleted. A fine-tune continues it
     (its step, data position and optimizer); preference training (train.objective=dpo) takes only its weights,
-    from step 0, e.g. the fine-tune of the same project."""
+    from step 0, e.g. the fine-tune of the same project (with LoRA, as the adapters' base)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.root), "storage.root", "must not be empty (e.g. ./runs or s3://bucket/raytrain)")
@@ -175,8 +175,8 @@ class EnrichConfig:
     pair_context: bool = False
     """Preference pairs (train.objective=dpo): put the relevance selection's sentences into the prompt as for the
     fine-tune (top_k, min_score, question_weight, system_prompt, answer_text), the last user turn as the question
-    and the chosen response as the answer side. Off by default: the annotators rated the responses against the
-    prompt as published."""
+    and the chosen response as the answer side, and a prompt without context of its own gets context_corpus's
+    sentences. Off by default: the annotators rated the responses against the prompt as published."""
     context_corpus: tuple[str, ...] = ()
     """Document files or folders (Parquet or JSONL; local, file://, s3://) whose sentences become the context of
     rows that have none: split, exact duplicates collapsed, embedded once with embedding_model (cached under the
@@ -523,18 +523,18 @@ class JobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
-        _require(self.train.objective != "dpo" or not self.enrich.context_corpus, "enrich.context_corpus",
-                 "context from a corpus is not added to preference pairs (train.objective=dpo): set it to []")
+        dpo_corpus = self.train.objective == "dpo" and bool(self.enrich.context_corpus)
+        _require(not dpo_corpus or self.enrich.pair_context, "enrich.context_corpus",
+                 "preference pairs (train.objective=dpo) get context only with enrich.pair_context=true: set it, "
+                 "or set enrich.context_corpus to []")
+        _require(not dpo_corpus or "sample" not in self.enrich.context_corpus, "enrich.context_corpus",
+                 "'sample' is the fine-tune sample's corpus; the preference sample has none: name corpus files")
         _require(self.train.objective == "dpo" or not self.enrich.pair_context, "enrich.pair_context",
                  "selects context for preference pairs only (train.objective=dpo); the fine-tune's rows always get "
                  "it: remove the setting")
         _require(self.train.objective != "dpo" or self.dataset.length_policy != "split", "dataset.length_policy",
                  "'split' cannot apply to preference pairs (train.objective=dpo): choose 'drop' or 'truncate'; "
                  "a pair's two sequences share one pack")
-        _require(self.train.objective != "dpo" or not self.storage.init_from_run or not self.model.lora.rank,
-                 "storage.init_from_run", "LoRA preference training takes its base from model.init_from: export "
-                 "the run to start from (`raytrain export`) and set model.init_from to that folder, or train "
-                 "the whole model (model.lora.rank=0) from the run")
         _require(self.model.attn_impl != "flex" or self.train.use_gpu, "model.attn_impl",
                  "'flex' needs GPUs (train.use_gpu=true): torch has no FlexAttention backward on the CPU; "
                  "use 'segment' (exact, no mask) or 'dense' on CPUs")

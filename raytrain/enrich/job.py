@@ -94,7 +94,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     log.info("enrich: pass 1 (derive, license, dedup keys, eval n-grams) and near-dup clustering (LSH buckets, "
              "components) over %d rows (%.1fs)", plan.rows_in, pass_seconds["prepare_and_dedup"])
 
-    corpus, shipped = _corpus_table(spark, job, plan, run_root, pass_seconds)
+    corpus, shipped = corpus_table(spark, job, plan.corpus_files, plan.eval_index, run_root, pass_seconds)
 
     t0 = time.perf_counter()
     retrieve_seconds = sc.accumulator(0.0)
@@ -127,19 +127,19 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     return EnrichResult(enriched=enriched, quarantine=quarantine, report=report, evals=plan.evals)
 
 
-def _corpus_table(spark, job: JobConfig, plan: EnrichPlan, run_root: StorageLocation, pass_seconds: dict[str, float]
-                  ) -> tuple[dict[str, Any], Any]:
-    """The corpus sentence table (embedded now or reused) and its search index, broadcast to the executors:
-    (the report's corpus facts so far, the broadcast), or ({}, None) without enrich.context_corpus."""
-    if not plan.corpus_files:
+def corpus_table(spark, job: JobConfig, corpus_files: list[Any] | None, eval_index: set[int],
+                 run_root: StorageLocation, pass_seconds: dict[str, float]) -> tuple[dict[str, Any], Any]:
+    """The corpus sentence table of ``corpus_files`` (embedded now or reused) and its search index without the
+    sentences sharing an n-gram with ``eval_index``, broadcast to the executors: (the report's corpus facts so far,
+    the broadcast), or ({}, None) without a corpus. The preference pairs' job uses it too."""
+    if not corpus_files:
         return {}, None
     from raytrain.enrich.corpus_table import ensure_table, load_corpus_index
 
     cfg = job.enrich
     t0 = time.perf_counter()
-    folder, meta, reused = ensure_table(spark, plan.corpus_files, cfg, run_root)
-    index = load_corpus_index(folder, meta["key"], plan.eval_index, cfg.decontam_ngram,
-                              cfg.corpus_exact_max_sentences)
+    folder, meta, reused = ensure_table(spark, corpus_files, cfg, run_root)
+    index = load_corpus_index(folder, meta["key"], eval_index, cfg.decontam_ngram, cfg.corpus_exact_max_sentences)
     corpus = {"table_uri": folder.uri, "table": meta, "reused": reused, "index": index.stats,
               "sentences_embedded_this_run": 0 if reused else meta["sentences"],
               "prepare_seconds": round(time.perf_counter() - t0, 2)}

@@ -24,7 +24,7 @@ import pyarrow as pa
 from raytrain.dataset.length import DROP, decide_pair_length
 from raytrain.dataset.reasons import Reason
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_pair
-from raytrain.enrich.batches import OK, Scoring, fill_dedup_columns, select_conversations
+from raytrain.enrich.batches import OK, CorpusSearch, Scoring, fill_dedup_columns, select_conversations
 from raytrain.enrich.context import last_user_index
 from raytrain.enrich.conversation import short_repr
 from raytrain.enrich.dedup import exact_key
@@ -44,10 +44,11 @@ PAIR_TOKENS = pa.schema([("margin", pa.float64()), ("prompt_ids", pa.list_(pa.in
 """A kept pair's tokens, as they go into a pack: ``num_tokens`` is what it takes there (the prompt twice and both
 responses, after any truncation). ``length_action``: the length policy's keep, truncate or drop ("" when the pair was
 not tokenized); ``tokens_truncated``: the response tokens truncation cut (0 otherwise)."""
-PAIR_CONTEXT = pa.schema([("context_sentences_kept", pa.int64()), ("system_prompt_chars_removed", pa.int64())])
-"""What the relevance selection did to a pair's prompt (enrich.pair_context; 0 when off): the sentences it kept
-(in a context block, or as the system prompt with enrich.system_prompt=select) and the system prompt's characters
-it removed."""
+PAIR_CONTEXT = pa.schema([("context_sentences_kept", pa.int64()), ("system_prompt_chars_removed", pa.int64()),
+                          ("corpus_sentences_added", pa.int64())])
+"""What enrich.pair_context did to a pair's prompt (0 when off): the sentences the relevance selection kept (in a
+context block, or as the system prompt with enrich.system_prompt=select), the system prompt's characters it
+removed, and the corpus sentences added to a prompt without context of its own (enrich.context_corpus)."""
 PAIR_FINISHED = pa.schema([*PAIR_ROW, *PAIR_TOKENS, *PAIR_CONTEXT])
 
 
@@ -102,13 +103,16 @@ def prepare_pairs_batch(pdf: pd.DataFrame, *, max_chars: int, num_perm: int, ban
 
 
 def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: int, length_policy: str,
-                       scoring: Scoring | None = None, system_prompt: str = "keep") -> pd.DataFrame:
+                       scoring: Scoring | None = None, system_prompt: str = "keep",
+                       corpus: CorpusSearch | None = None) -> pd.DataFrame:
     """PAIR_ROW rows with their final verdict -> PAIR_FINISHED rows; the kept ones tokenized, or quarantined as
     untokenizable or too_many_tokens.
 
     With ``scoring`` (enrich.pair_context) the kept pairs' prompts first go through the fine-tune's relevance
     selection (``batches.select_conversations``, ``system_prompt`` as enrich.system_prompt): the last user turn is
-    the question, the chosen response the answer side; ``pair_json`` holds the prompt as trained.
+    the question, the chosen response the answer side; with ``corpus`` (enrich.context_corpus) a prompt without
+    context sentences of its own gets the corpus's (``corpus_batches.corpus_context_batch``), as a fine-tune row
+    does. ``pair_json`` holds the prompt as trained.
 
     A pair longer than ``seq_len`` goes through ``length_policy`` (drop | truncate): a truncated pair keeps the start
     of each response, so a cut response has no EOS (as the fine-tune's truncated answer); a dropped one keeps its
@@ -118,7 +122,7 @@ def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: in
     out: dict[str, list] = {name: [] for name in PAIR_FINISHED.names}
     rows = pdf[list(PAIR_ROW.names)].to_dict("records")
     pairs = {i: json.loads(row["pair_json"]) for i, row in enumerate(rows) if row["status"] == OK}
-    context = _select_prompts(pairs, scoring, system_prompt) if scoring is not None else {}
+    context = _select_prompts(pairs, scoring, system_prompt, corpus) if scoring is not None else {}
     for i, row in enumerate(rows):
         values = {**row, **empty, **context.get(i, {})}
         if row["status"] == OK:
@@ -145,21 +149,36 @@ def finish_pairs_batch(pdf: pd.DataFrame, *, tokenizer_version: str, seq_len: in
             out[name].append(values[name])
     return pd.DataFrame(out, columns=list(PAIR_FINISHED.names)).astype(
         {"row_id": "int64", "num_tokens": "int64", "margin": "float64", "tokens_truncated": "int64",
-         "context_sentences_kept": "int64", "system_prompt_chars_removed": "int64"})
+         "context_sentences_kept": "int64", "system_prompt_chars_removed": "int64",
+         "corpus_sentences_added": "int64"})
 
 
-def _select_prompts(pairs: dict[int, dict], scoring: Scoring, system_prompt: str) -> dict[int, dict[str, int]]:
-    """The relevance selection on the prompts of ``pairs`` (row -> pair, changed in place): row -> PAIR_CONTEXT."""
+def _select_prompts(pairs: dict[int, dict], scoring: Scoring, system_prompt: str, corpus: CorpusSearch | None
+                    ) -> dict[int, dict[str, int]]:
+    """The relevance selection, then the corpus search, on the prompts of ``pairs`` (row -> pair, changed in
+    place): row -> PAIR_CONTEXT."""
     rows = list(pairs)
     prompts = [pairs[i]["prompt"] for i in rows]
     questions = [prompt[last_user_index(prompt)]["content"] for prompt in prompts]
-    selected = select_conversations(prompts, questions, [pairs[i]["chosen"] for i in rows], **scoring.keywords(),
-                                    system_prompt=system_prompt)
+    answers = [pairs[i]["chosen"] for i in rows]
+    selected = select_conversations(prompts, questions, answers, **scoring.keywords(), system_prompt=system_prompt)
+    added = [0] * len(rows)
+    if corpus is not None and rows:
+        from raytrain.enrich.corpus_batches import corpus_context_batch
+
+        searched = corpus_context_batch(pd.DataFrame({
+            "context_sentences": [c.candidates for c in selected], "question": questions, "answer": answers,
+            "messages_json": [json.dumps(c.messages, ensure_ascii=False) for c in selected]}),
+            index=corpus.index, eval_index=corpus.eval_index, ngram=corpus.ngram, **scoring.keywords())
+        added = [len(sentences) for sentences in searched["corpus_sentences"]]
+        messages = [json.loads(m) for m in searched["messages_json"]]
+    else:
+        messages = [c.messages for c in selected]
     out = {}
-    for i, chosen in zip(rows, selected, strict=True):
-        pairs[i]["prompt"] = chosen.messages
+    for k, (i, chosen) in enumerate(zip(rows, selected, strict=True)):
+        pairs[i]["prompt"] = messages[k]
         out[i] = {"context_sentences_kept": len(chosen.kept),
-                  "system_prompt_chars_removed": chosen.system_prompt_chars_removed}
+                  "system_prompt_chars_removed": chosen.system_prompt_chars_removed, "corpus_sentences_added": added[k]}
     return out
 
 

@@ -2,7 +2,8 @@
 out, with a manifest and a report, through the same doors as the fine-tune's rows.
 
     read lines -> pass 1 (parse, derive the pair, dedup keys, eval n-grams) -> dedup (the fine-tune's) ->
-    pass 2 (final verdict, tokenize, length) -> write enriched, write quarantine -> one tally
+    [corpus table] -> pass 2 (final verdict, [context on the prompt], tokenize, length) -> write enriched,
+    write quarantine -> one tally
 
 Outputs, under the run's ``data/`` folder: ``data/enriched/part-*.parquet`` (pair_passes.ENRICHED_COLUMNS: the
 prompt's tokens once, each response's, the margin), ``data/quarantine/part-*.parquet`` (uuid, split, domain,
@@ -17,8 +18,9 @@ import logging
 import time
 
 from raytrain.config import JobConfig
+from raytrain.enrich.corpus import CorpusFile, check_corpus
 from raytrain.enrich.decontam import build_eval_index, build_sorted_index
-from raytrain.enrich.job import EnrichResult, footer_rows
+from raytrain.enrich.job import EnrichResult, corpus_table, footer_rows
 from raytrain.enrich.pair_inputs import PairInputFiles, discover_pair_inputs
 from raytrain.enrich.plan import EvalSets, load_eval_texts
 from raytrain.enrich.report import build_pair_report, pair_summary_text
@@ -28,8 +30,10 @@ log = logging.getLogger(__name__)
 
 
 def enrich_pairs_in_session(spark, job: JobConfig, inputs: PairInputFiles, evals: EvalSets,
-                            run_root: StorageLocation) -> EnrichResult:
-    """The whole pair enrichment inside an open Spark session; see the module docstring."""
+                            run_root: StorageLocation, corpus_files: list[CorpusFile] | None = None) -> EnrichResult:
+    """The whole pair enrichment inside an open Spark session; see the module docstring. ``corpus_files``: the
+    checked enrich.context_corpus (enrich.corpus.check_corpus), whose sentences a prompt without context of its
+    own may get (enrich.pair_context)."""
     from pyspark.sql import functions as F
 
     from raytrain.enrich import pair_passes, passes
@@ -45,7 +49,8 @@ def enrich_pairs_in_session(spark, job: JobConfig, inputs: PairInputFiles, evals
     rows_in = lines.count()  # the input's own count, which the written files must add up to
     prepared = pair_passes.prepare_pairs(lines, eval_array, job)
     dups = passes.duplicates(spark, prepared, job)
-    finished = pair_passes.finish_pairs(prepared, dups.flags, job)
+    corpus, shipped = corpus_table(spark, job, corpus_files, eval_index, run_root, {})
+    finished = pair_passes.finish_pairs(prepared, dups.flags, job, corpus=shipped, eval_index=eval_array)
     finished.filter(F.col("status") == "ok").select(*pair_passes.ENRICHED_COLUMNS) \
         .write.mode("overwrite").parquet(spark_uri(paths.enriched))
     pair_passes.quarantined_pairs(finished).write.mode("overwrite").parquet(spark_uri(paths.quarantine))
@@ -55,7 +60,7 @@ def enrich_pairs_in_session(spark, job: JobConfig, inputs: PairInputFiles, evals
     finished.unpersist()
 
     report = build_pair_report(rows_in, groups, evals.sources, inputs.describe(), time.perf_counter() - t_start,
-                               job.dataset, job.enrich)
+                               job.dataset, job.enrich, corpus)
     enriched_files, enriched_rows = footer_rows(paths.enriched)
     quarantine_files, quarantine_rows = footer_rows(paths.quarantine)
     if not rows_in == enriched_rows + quarantine_rows == report["rows_out"] + sum(report["quarantined"].values()):
@@ -84,10 +89,15 @@ def run_enrich_pairs(job: JobConfig, input_root: StorageLocation, run_root: Stor
     from raytrain.enrich.jars import spark_jar_configs
     from raytrain.enrich.spark import spark_conf, spark_session
 
+    cfg, endpoint = job.enrich, job.storage.s3_endpoint or None
     inputs = inputs or discover_pair_inputs(input_root)
-    evals = load_eval_texts(tuple(job.enrich.eval_sets if eval_sets is None else eval_sets), input_root,
-                            job.storage.s3_endpoint or None)
+    evals = load_eval_texts(tuple(cfg.eval_sets if eval_sets is None else eval_sets), input_root, endpoint)
+    corpus_files = check_corpus(cfg.context_corpus, cfg.corpus_id_field, cfg.corpus_text_field, input_root,
+                                endpoint) if cfg.context_corpus else None
+    corpus_locs = [f.loc for f in corpus_files or []]
     configs = spark_conf(input_root) | spark_conf(run_root)
-    configs |= spark_jar_configs(job.enrich.spark_jars, (input_root, run_root))
-    with spark_session(job.enrich, extra_configs=configs) as spark:
-        return enrich_pairs_in_session(spark, job, inputs, evals, run_root)
+    for loc in corpus_locs:
+        configs |= spark_conf(loc)
+    configs |= spark_jar_configs(cfg.spark_jars, (input_root, run_root, *corpus_locs))
+    with spark_session(cfg, extra_configs=configs) as spark:
+        return enrich_pairs_in_session(spark, job, inputs, evals, run_root, corpus_files)

@@ -13,15 +13,16 @@ from pyspark.sql import functions as F
 from raytrain.config import JobConfig
 from raytrain.dataset.length import TRUNCATE
 from raytrain.enrich import pair_batches
-from raytrain.enrich.batches import Scoring
+from raytrain.enrich.batches import CorpusSearch, Scoring
 from raytrain.enrich.dedup import lsh_params
 from raytrain.enrich.passes import NUM_PERM, SHINGLE_CHARS, TORCH_THREADS_PER_TASK, spark_schema, with_final_verdict
 
 ENRICHED_COLUMNS = ("uuid", "split", "domain", "language", "margin", "prompt_ids", "chosen_ids", "rejected_ids",
-                    "num_tokens", "length_action", "tokens_truncated", "context_sentences_kept", "pair_json")
+                    "num_tokens", "length_action", "tokens_truncated", "context_sentences_kept",
+                    "corpus_sentences_added", "pair_json")
 """The enriched pairs' columns (``uuid`` is the pair id; the token columns as they go into a pack, after the length
 policy, with what it did: ``length_action`` keep or truncate, ``tokens_truncated``; ``pair_json`` the prompt as
-trained, ``context_sentences_kept`` what enrich.pair_context put into it)."""
+trained, ``context_sentences_kept`` / ``corpus_sentences_added`` what enrich.pair_context put into it)."""
 QUARANTINE_COLUMNS = ("uuid", "split", "domain", "language", "reason", "detail")
 
 
@@ -52,19 +53,23 @@ def prepare_pairs(lines: DataFrame, eval_index: Any, job: JobConfig) -> DataFram
     return prepared.persist(StorageLevel.MEMORY_AND_DISK)
 
 
-def finish_pairs(prepared: DataFrame, flags: DataFrame, job: JobConfig) -> DataFrame:
+def finish_pairs(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
+                 eval_index: Any = None) -> DataFrame:
     """Pass 2: every pair with its final verdict, hash-partitioned by uuid and sorted by uuid within each partition
-    (the written files' order), tokenized; persisted (the writes and the tally read it)."""
+    (the written files' order), tokenized; persisted (the writes and the tally read it). ``corpus``: the broadcast
+    corpus index (job.corpus_table) with ``eval_index``, the broadcast eval n-grams its blocks are checked against."""
     rows = with_final_verdict(prepared, flags, job.enrich.decontam_ngram, pair_batches.PAIR_ROW.names)
     rows = rows.repartition(job.enrich.num_partitions, "uuid").sortWithinPartitions("uuid", "row_id")
     version, seq_len, policy = job.dataset.tokenizer, job.dataset.seq_len, job.dataset.length_policy
     scoring = Scoring.from_config(job.enrich, num_threads=TORCH_THREADS_PER_TASK) if job.enrich.pair_context else None
-    system_prompt = job.enrich.system_prompt
+    system_prompt, ngram = job.enrich.system_prompt, job.enrich.decontam_ngram
 
     def body(frames):
+        search = None if corpus is None else CorpusSearch(corpus.value, eval_index.value, ngram)
         for pdf in frames:
             yield pair_batches.finish_pairs_batch(pdf, tokenizer_version=version, seq_len=seq_len,
-                                                  length_policy=policy, scoring=scoring, system_prompt=system_prompt)
+                                                  length_policy=policy, scoring=scoring, system_prompt=system_prompt,
+                                                  corpus=search)
 
     finished = rows.mapInPandas(body, schema=spark_schema(pair_batches.PAIR_FINISHED))
     return finished.persist(StorageLevel.MEMORY_AND_DISK)
@@ -76,7 +81,7 @@ def quarantined_pairs(finished: DataFrame) -> DataFrame:
 
 
 TALLY_SUMS = ("rows_truncated", "tokens_truncated", "rows_with_context", "context_sentences_kept",
-              "system_prompt_chars_removed")
+              "system_prompt_chars_removed", "rows_with_corpus_context", "corpus_sentences_added")
 """What ``tally`` adds up per group besides the rows: the length policy's cuts and the context selection's work."""
 
 
@@ -90,7 +95,9 @@ def tally(finished: DataFrame) -> list[dict[str, Any]]:
         F.sum("tokens_truncated").alias("tokens_truncated"),
         F.sum(F.when(kept & (F.col("context_sentences_kept") > 0), 1).otherwise(0)).alias("rows_with_context"),
         F.sum(F.when(kept, F.col("context_sentences_kept")).otherwise(0)).alias("context_sentences_kept"),
-        F.sum(F.when(kept, F.col("system_prompt_chars_removed")).otherwise(0)).alias("system_prompt_chars_removed")
+        F.sum(F.when(kept, F.col("system_prompt_chars_removed")).otherwise(0)).alias("system_prompt_chars_removed"),
+        F.sum(F.when(kept & (F.col("corpus_sentences_added") > 0), 1).otherwise(0)).alias("rows_with_corpus_context"),
+        F.sum(F.when(kept, F.col("corpus_sentences_added")).otherwise(0)).alias("corpus_sentences_added")
     ).collect()
     return sorted(({"split": r["split"], "domain": r["domain"], "language": r["language"], "status": r["status"],
                     "rows": int(r["rows"]), **{k: int(r[k]) for k in TALLY_SUMS}} for r in groups),

@@ -316,20 +316,22 @@ def pair_step_counts(rows_in: int, per_reason: dict[str, int]) -> list[StepCount
 
 
 def build_pair_report(rows_in: int, groups: list[dict[str, Any]], sources: list[dict[str, Any]],
-                      inputs: list[str], seconds: float, dataset: DatasetConfig, enrich: EnrichConfig
-                      ) -> dict[str, Any]:
+                      inputs: list[str], seconds: float, dataset: DatasetConfig, enrich: EnrichConfig,
+                      corpus: dict[str, Any] | None = None) -> dict[str, Any]:
     """The pair enrichment's report from its tally (rows per split, domain, language and status, with the pairs the
     length policy truncated and the tokens it cut): counts per reason, per step, per split / domain / language kept
-    and quarantined, ``length`` (the policy and seq_len, pairs truncated, tokens cut) and ``context``
-    (enrich.pair_context: pairs that got sentences, sentences kept, system prompt characters removed). AssertionError when they do not add up to
-    ``rows_in`` (a bug)."""
+    and quarantined, ``length`` (the policy and seq_len, pairs truncated, tokens cut), ``context``
+    (enrich.pair_context: pairs that got sentences and how many, from their own context and from the corpus) and
+    ``corpus`` (the table and index facts of enrich.context_corpus) when given. AssertionError when the counts do
+    not add up to ``rows_in`` (a bug)."""
     per_reason: dict[str, int] = {}
     length = {"policy": dataset.length_policy, "seq_len": dataset.seq_len,
               "rows_truncated": sum(g["rows_truncated"] for g in groups),
               "tokens_truncated": sum(g["tokens_truncated"] for g in groups)}
     context = {"on": enrich.pair_context, **{k: sum(g[k] for g in groups) for k in
                                              ("rows_with_context", "context_sentences_kept",
-                                              "system_prompt_chars_removed")}}
+                                              "system_prompt_chars_removed", "rows_with_corpus_context",
+                                              "corpus_sentences_added")}}
     by: dict[str, dict[str, dict[str, int]]] = {"split": {}, "domain": {}, "language": {}}
     for g in groups:
         kept = g["status"] == "ok"
@@ -342,7 +344,7 @@ def build_pair_report(rows_in: int, groups: list[dict[str, Any]], sources: list[
     return {"kind": "preference_pairs", "rows_in": rows_in, "rows_out": steps[-1].rows_out,
             "quarantined": dict(sorted(per_reason.items())), "steps": [c.to_dict() for c in steps],
             "per_split": by["split"], "per_domain": by["domain"], "per_language": by["language"], "length": length,
-            "context": context,
+            "context": context, **({"corpus": corpus} if corpus else {}),
             "inputs": inputs, "eval_sets": sources, "seconds": round(seconds, 1)}
 
 
@@ -360,7 +362,9 @@ def pair_summary_text(report: dict[str, Any]) -> str:
         lines.append(f"context selection on the prompts: {context['rows_with_context']} pairs got "
                      f"{context['context_sentences_kept']} sentences"
                      + (f", {context['system_prompt_chars_removed']} system prompt characters removed"
-                        if context["system_prompt_chars_removed"] else ""))
+                        if context["system_prompt_chars_removed"] else "")
+                     + (f"; the corpus gave {context['rows_with_corpus_context']} pairs "
+                        f"{context['corpus_sentences_added']} sentences" if report.get("corpus") else ""))
     length = report["length"]
     if length["rows_truncated"]:
         lines.append(f"length policy truncate: {length['rows_truncated']} pairs kept with their responses cut "

@@ -178,28 +178,34 @@ def check_resume_settings(saved_config: dict[str, Any], saved_base: dict[str, An
             "or start a new storage.run_name")
 
 
-def _base_layers(cfg: MistralConfig, seed: int, init_from: str) -> Iterator[tuple[int, nn.Module]]:
-    """(pipeline index, layer) of the base, one layer in memory at a time: seeded, or loaded from ``init_from``."""
+def _base_layers(cfg: MistralConfig, seed: int, init_from: str, layer_files: str = ""
+                 ) -> Iterator[tuple[int, nn.Module]]:
+    """(pipeline index, layer) of the base, one layer in memory at a time: seeded, loaded from ``init_from``, or
+    from ``layer_files`` (a folder of DeepSpeed's per-layer files: another run's checkpoint)."""
     from raytrain.pipeline.hf_io import load_hf_into_layers
     from raytrain.pipeline.model import layer_constructors
 
     for index, (cls, args, kwargs) in enumerate(layer_constructors(cfg, seed)):
         layer = cls(*args, **kwargs)
-        if init_from:
+        if layer_files:
+            layer.load_state_dict(torch.load(os.path.join(layer_files, f"layer_{index:02d}-model_states.pt"),
+                                             map_location="cpu", weights_only=True), strict=True)
+        elif init_from:
             load_hf_into_layers([layer], index, cfg, init_from)
         yield index, layer
 
 
 def export_lora(tag_dir: str, cfg: MistralConfig, lora: LoraConfig, out_dir: str, *, seed: int, init_from: str,
-                tokenizer: str) -> dict[str, str]:
+                tokenizer: str, base_layer_files: str = "") -> dict[str, str]:
     """Export a LoRA checkpoint (``tag_dir``: DeepSpeed's layer files, adapters only) as:
 
     - ``out_dir``: the merged model (each adapter merged into its projection by peft's ``merge``) with its
       tokenizer, a Hugging Face folder as a full fine-tune's export;
     - ``out_dir/adapter``: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``, names as
       on transformers' MistralForCausalLM) for ``PeftModel.from_pretrained`` or vLLM's LoRA loader;
-    - ``out_dir/base``: the seeded base the adapters were trained on, when there is no ``init_from`` to load them
-      onto (its ``base_model_name_or_path`` in the adapter config).
+    - ``out_dir/base``: the base the adapters were trained on, when there is no ``init_from`` to load them onto
+      (its ``base_model_name_or_path`` in the adapter config): seeded, or another run's weights read from
+      ``base_layer_files`` (that checkpoint's DeepSpeed layer files; a preference run from storage.init_from_run).
 
     One layer is in memory at a time. Returns the folders written, by name."""
     import tempfile
@@ -215,7 +221,7 @@ def export_lora(tag_dir: str, cfg: MistralConfig, lora: LoraConfig, out_dir: str
         merged_dir, base_dir = os.path.join(tmp, "merged"), os.path.join(tmp, "base")
         os.makedirs(merged_dir)
         os.makedirs(base_dir)
-        for index, layer in _base_layers(cfg, seed, init_from):
+        for index, layer in _base_layers(cfg, seed, init_from, base_layer_files):
             name = f"layer_{index:02d}-model_states.pt"
             torch.save(layer.state_dict(), os.path.join(base_dir, name))
             trained = torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=True)

@@ -105,19 +105,20 @@ class StopOnUnretryableError(ray.train.UserCallback):
 
 
 def _starting_weights(job: JobConfig, run_root: StorageLocation) -> dict[str, Any]:
-    """What the run's weights start from, recorded in its checkpoints: a LoRA run's base
-    (raytrain.pipeline.lora.base_identity), a preference run's source checkpoint (``source_weights``), {} otherwise;
-    after checking that the run's newest checkpoint was trained with the same model.lora settings on the same base."""
+    """What the run's weights start from, recorded in its checkpoints: a preference run's source checkpoint
+    (``source_weights``; with LoRA, the adapters' base), a LoRA run's base (raytrain.pipeline.lora.base_identity),
+    {} otherwise; after checking that the run's newest checkpoint was trained with the same model.lora settings on
+    the same base."""
     from raytrain.pipeline.lora import base_identity, check_resume_settings, model_parameter_counts
 
     latest = CheckpointStore(run_root).latest()
     if job.train.objective == "dpo" and (job.storage.init_from_run or (latest and (latest.metadata.get("base") or {})
                                                                        .get("init_from_run"))):
-        start = source_weights(job, latest)
+        base = source_weights(job, latest)
         log.info("train: the weights start from %s (storage.init_from_run, step %d): only the weights, this run "
-                 "counts its own steps", start["checkpoint"], start["step"])
-        return start
-    base = base_identity(job) if job.model.lora.rank else {}
+                 "counts its own steps", base["checkpoint"], base["step"])
+    else:
+        base = base_identity(job) if job.model.lora.rank else {}
     if latest is not None:
         check_resume_settings(latest.metadata.get("config") or {}, latest.metadata.get("base"), job, base,
                               f"checkpoint {latest.uri}")

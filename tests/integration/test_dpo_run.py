@@ -100,8 +100,8 @@ def _final_weights(job) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(ray_six_cpus, tmp_path_factory):
     """Run a: MAX_STEPS steps, pp 2 x dp 2. Run c: one process (pp 1 x dp 1) on a's global batches. Run b: c
-    stopped after step 2 and launched again. Run d: LoRA on one process. Run e: two steps starting from a's weights
-    (storage.init_from_run), on one process. All on the same packs."""
+    stopped after step 2 and launched again. Run d: LoRA adapters on a's weights (storage.init_from_run), one
+    process. Run e: two steps of the whole model starting from a's weights, one process. All on the same packs."""
     root = tmp_path_factory.mktemp("dpo-runs")
     sample = write_preference_sample(str(root / "sample"))
     a = _job(root, "a", *PP2_DP2)
@@ -110,7 +110,8 @@ def runs(ray_six_cpus, tmp_path_factory):
     c = _job(root, "c", *ONE_PROCESS)
     assert c.train.global_batch_size == a.train.global_batch_size
     b = _job(root, "b", *ONE_PROCESS, "train.stop_at_step=2")
-    d = _job(root, "d", *ONE_PROCESS, "model.lora.rank=4", "model.lora.alpha=8")
+    d = _job(root, "d", *ONE_PROCESS, "model.lora.rank=4", "model.lora.alpha=8",
+             f"storage.init_from_run={open_run(a).root.uri}")
     e = _job(root, "e", *ONE_PROCESS, "train.max_steps=2", f"storage.init_from_run={open_run(a).root.uri}")
     for job in (b, c, d, e):  # same data settings: same packs
         shutil.copytree(open_run(a).paths.packed.path, open_run(job).paths.packed.path)
@@ -188,16 +189,45 @@ def test_reference_logps_equal_the_starting_model_outside_the_pipeline(runs):
 
 
 def test_lora_takes_the_base_as_reference(runs):
-    """With LoRA the reference is the base (adapters off), which is run a's seeded starting model: the stored
-    reference equals a's although d scored it on one stage and a on two stages with two replicas."""
-    reference_a, reference_d = _reference_files(runs["a"]), _reference_files(runs["d"])
+    """With LoRA the reference is the base (adapters off): here run a's trained weights, which run e (the whole
+    model from a's weights) scored too. The adapters train from there."""
+    reference_e, reference_d = _reference_files(runs["e"]), _reference_files(runs["d"])
     for name in ("train.npy", "validation.npy"):
-        np.testing.assert_allclose(reference_d[name][1], reference_a[name][1], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(reference_d[name][1], reference_e[name][1], rtol=1e-5, atol=1e-4)
     metrics = _metrics(runs["d"])
     assert metrics[1]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # lora_B starts at 0: policy = base
     assert metrics[MAX_STEPS]["rewards/margins"] > 0 and metrics[MAX_STEPS]["loss"] < math.log(2)
     assert "validation/rewards/accuracies" in metrics[MAX_STEPS]
     assert runs["summary_d"]["lora"]["rank"] == 4
+
+
+def test_export_of_lora_from_another_run_has_that_run_as_its_base(runs, tmp_path):
+    """`raytrain export` of run d: the base folder holds run a's weights (our layers from a's checkpoint give its
+    logits), the adapter folder's base_model_name_or_path names it, and peft's base + adapter give the merged
+    model's logits."""
+    import peft
+    import transformers
+
+    from raytrain.runner import export_latest
+
+    out = export_latest(runs["d"], str(tmp_path / "hf"))
+    ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(out)("Which answer is better?")["input_ids"]])
+
+    def logits(folder):
+        model = transformers.MistralForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        with torch.no_grad():
+            return model(ids).logits
+
+    with torch.no_grad():
+        ours = _sequential(runs["a"])((ids, torch.arange(ids.shape[1]).view(1, -1), torch.zeros_like(ids)))
+    torch.testing.assert_close(logits(os.path.join(out, "base")), ours, rtol=1e-5, atol=1e-5)
+    config = json.load(open(os.path.join(out, "adapter", "adapter_config.json")))
+    assert config["base_model_name_or_path"] == os.path.abspath(os.path.join(out, "base"))
+    base = transformers.MistralForCausalLM.from_pretrained(os.path.join(out, "base"), attn_implementation="eager")
+    adapted = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, logits(out), rtol=1e-4, atol=1e-5)
+    assert (logits(out) - ours).abs().max() > 1e-4  # the adapters moved the model away from its base
 
 
 def test_two_stages_and_two_replicas_equal_one_process(runs):

@@ -259,11 +259,12 @@ def test_preference_enrichment_from_s3_to_s3(roots, spark, tmp_path):
     """HelpSteer3's preference files as the hub lays them out, in the bucket: found through s3://, read by Spark
     through s3a:// (gzip by the name), enriched to the s3:// run root. Every line leaves through one door, as on a
     POSIX root, the written files agree with the lines read, and the truncated pairs and those given context
-    sentences are the report's."""
+    sentences (from their own context, or from a corpus in the bucket) are the report's."""
     import gzip
 
     import pyarrow.fs as pafs
 
+    from raytrain.enrich.corpus import check_corpus
     from raytrain.enrich.pair_inputs import discover_pair_inputs
     from raytrain.enrich.pair_job import enrich_pairs_in_session
     from raytrain.enrich.plan import load_eval_texts
@@ -274,16 +275,23 @@ def test_preference_enrichment_from_s3_to_s3(roots, spark, tmp_path):
     sample = write_preference_sample(str(local))
     input_root = s3.join("helpsteer3")
     pafs.copy_files(str(local), input_root.path, destination_filesystem=input_root.filesystem)
-    # a short seq_len under truncate and the context selection on: their work runs in Spark's workers too
+    corpus = input_root.join("corpus", "facts.jsonl")  # a corpus in the bucket too, read through s3a
+    corpus.write_atomic("\n".join(json.dumps(doc) for doc in (
+        {"id": "speed", "text": "Average speed is the distance travelled divided by the time taken. A train that "
+                                "covers more kilometres in the same hours has a higher average speed."},
+        {"id": "weather", "text": "Fog rolls in from the sea on autumn mornings."})) + "\n")
+    # a short seq_len under truncate and the context selection with the corpus on: their work runs in Spark's
+    # workers too
     job = load_job_config("configs/demo-dpo.yaml", ["enrich.num_partitions=2", f"storage.s3_endpoint={s3.s3_endpoint}",
                                                     "dataset.seq_len=384", "dataset.length_policy=truncate",
-                                                    "enrich.pair_context=true"])
+                                                    "enrich.pair_context=true", f"enrich.context_corpus=[{corpus.uri}]"])
     inputs = discover_pair_inputs(input_root)
     assert {split: loc.uri for split, loc in inputs.files.items()} == {
         split: input_root.join("preference", f"{split}.jsonl.gz").uri for split in ("train", "validation")}
     evals = load_eval_texts((input_root.join("eval", "preference_eval_set.jsonl").uri,), input_root, s3.s3_endpoint)
     run_root = s3.join("runs", "ci", "forms", "pairs-s3")
-    result = enrich_pairs_in_session(spark, job, inputs, evals, run_root)
+    corpus_files = check_corpus(job.enrich.context_corpus, "id", "text", input_root, s3.s3_endpoint)
+    result = enrich_pairs_in_session(spark, job, inputs, evals, run_root, corpus_files)
     lines = sum(1 for path in (sample.train_path, sample.validation_path)
                 for line in gzip.open(path, "rt", encoding="utf-8") if line.strip())
     fs = s3.filesystem
@@ -302,6 +310,11 @@ def test_preference_enrichment_from_s3_to_s3(roots, spark, tmp_path):
     with_context = [json.loads(r["pair_json"]) for r in enriched.to_pylist() if r["context_sentences_kept"]]
     assert len(with_context) == context["rows_with_context"]
     assert all("<context>" in pair["prompt"][-1]["content"] for pair in with_context)
+    from_corpus = [json.loads(r["pair_json"])["prompt"][-1]["content"] for r in enriched.to_pylist()
+                   if r["corpus_sentences_added"]]
+    assert len(from_corpus) == context["rows_with_corpus_context"] > 0
+    assert all("Average speed is the distance travelled divided by the time taken." in p for p in from_corpus)
+    assert result.report["corpus"]["table"]["sentences"] == 3
     assert run_root.join("reports", "enrich_summary.txt").is_file()
 
 

@@ -340,3 +340,14 @@ def test_pair_context_is_for_preference_pairs_only():
         load_job_config(DEMO, ["enrich.pair_context=true"])
     job = load_job_config("configs/demo-dpo.yaml", ["enrich.pair_context=true"])
     assert job.enrich.pair_context and job.data_hash() != load_job_config("configs/demo-dpo.yaml", []).data_hash()
+
+
+def test_corpus_context_on_pairs_needs_pair_context_and_real_files():
+    with pytest.raises(ConfigError, match=r"^enrich\.context_corpus: preference pairs .* only with "
+                                          r"enrich\.pair_context=true"):
+        load_job_config("configs/demo-dpo.yaml", ["enrich.context_corpus=[/data/corpus.jsonl]"])
+    with pytest.raises(ConfigError, match=r"^enrich\.context_corpus: 'sample' is the fine-tune sample's corpus"):
+        load_job_config("configs/demo-dpo.yaml", ["enrich.context_corpus=[sample]", "enrich.pair_context=true"])
+    job = load_job_config("configs/demo-dpo.yaml", ["enrich.context_corpus=[/data/corpus.jsonl]",
+                                                    "enrich.pair_context=true"])
+    assert job.enrich.context_corpus == ("/data/corpus.jsonl",)

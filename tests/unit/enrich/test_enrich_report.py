@@ -134,7 +134,8 @@ def test_pair_report_counts_truncated_pairs_and_the_summary_says_so():
     def group(split, status, rows, truncated=0, tokens=0, with_context=0):
         return {"split": split, "domain": "general", "language": "english", "status": status, "rows": rows,
                 "rows_truncated": truncated, "tokens_truncated": tokens, "rows_with_context": with_context,
-                "context_sentences_kept": 2 * with_context, "system_prompt_chars_removed": 0}
+                "context_sentences_kept": 2 * with_context, "system_prompt_chars_removed": 0,
+                "rows_with_corpus_context": 0, "corpus_sentences_added": 0}
 
     groups = [group("train", "ok", 7, 2, 150, with_context=3), group("train", "too_many_tokens", 1),
               group("validation", "ok", 2, 1, 30)]
@@ -144,7 +145,8 @@ def test_pair_report_counts_truncated_pairs_and_the_summary_says_so():
     assert report["length"] == {"policy": "truncate", "seq_len": 128, "rows_truncated": 3, "tokens_truncated": 180}
     assert "length policy truncate: 3 pairs kept with their responses cut (-180 tokens)" in pair_summary_text(report)
     assert report["context"] == {"on": True, "rows_with_context": 3, "context_sentences_kept": 6,
-                                 "system_prompt_chars_removed": 0}
+                                 "system_prompt_chars_removed": 0, "rows_with_corpus_context": 0,
+                                 "corpus_sentences_added": 0}
     assert "context selection on the prompts: 3 pairs got 6 sentences\n" in pair_summary_text(report)
     none_cut = build_pair_report(10, [group("train", "ok", 10)], [], [], 1.0, DatasetConfig(), EnrichConfig())
     assert none_cut["length"] == {"policy": "drop", "seq_len": 128, "rows_truncated": 0, "tokens_truncated": 0}

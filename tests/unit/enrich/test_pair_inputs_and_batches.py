@@ -161,3 +161,39 @@ def test_pair_context_puts_the_fine_tunes_selection_into_the_prompt_and_the_pair
     assert json.loads(out["pair_json"][1]) == json.loads(prepared["pair_json"][1])  # no context: unchanged
     off = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=512, length_policy="drop")
     assert off["pair_json"][0] == prepared["pair_json"][0] and off["context_sentences_kept"].tolist() == [0, 0]
+
+
+def test_pair_context_from_a_corpus_goes_to_a_prompt_without_context_of_its_own():
+    """With a corpus (enrich.context_corpus), a pair whose prompt has no context sentences gets the corpus sentence
+    that answers it, in the fine-tune's context block, and trains on that prompt; an unrelated question gets
+    nothing, and a pair with context of its own is not searched."""
+    from raytrain.config import EnrichConfig
+    from raytrain.enrich.batches import CorpusSearch, Scoring
+    from raytrain.enrich.context import context_block
+    from raytrain.enrich.corpus import CorpusIndex
+    from raytrain.enrich.decontam import build_sorted_index
+    from raytrain.enrich.relevance import embed_texts, load_embedder
+
+    corpus = ["The Ostvik ferry leaves the north pier at seven every morning.",
+              "Bakers in Quillan use rye flour from the valley mills."]
+    emb, _ = embed_texts(corpus, load_embedder(None))
+    index = CorpusIndex(doc_ids=["doc-0", "doc-1"], sentence_indices=np.arange(2), texts=corpus, emb=emb, key="t")
+    ferry = {**ROW, "context": [{"role": "user", "content": "When does the Ostvik ferry leave?"}],
+             "response1": "It leaves at seven in the morning.", "response2": "Ferries are boats."}
+    tyre = {**ROW, "context": [{"role": "user", "content": "How do I fix a flat tyre?"}],
+            "response1": "Patch the tube.", "response2": "Buy a car."}
+    own = {**ROW, "context": [{"role": "system", "content": "Bakers in Quillan use rye flour. Penguins cannot fly."},
+                              {"role": "user", "content": "What flour do Quillan bakers use?"}],
+           "response1": "Rye flour.", "response2": "Sand."}
+    prepared = prepare([json.dumps(ferry), json.dumps(tyre), json.dumps(own)])
+    out = finish_pairs_batch(prepared, tokenizer_version="v3", seq_len=512, length_policy="drop",
+                             scoring=Scoring.from_config(EnrichConfig(pair_context=True, top_k=1)),
+                             corpus=CorpusSearch(index, build_sorted_index(set()), 13))
+    assert out["status"].tolist() == ["ok", "ok", "ok"]
+    assert out["corpus_sentences_added"].tolist() == [1, 0, 0]
+    prompt = json.loads(out["pair_json"][0])["prompt"]
+    assert prompt[-1]["content"] == context_block([corpus[0]]) + "\n\nWhen does the Ostvik ferry leave?"
+    tokens = tokenize_pair("x", prompt, "It leaves at seven in the morning.", "Ferries are boats.", load_tokenizer("v3"))
+    assert list(out["prompt_ids"][0]) == list(tokens.prompt)
+    assert json.loads(out["pair_json"][1])["prompt"][-1]["content"] == "How do I fix a flat tyre?"
+    assert out["context_sentences_kept"][2] == 1  # its own system prompt gave the context: the corpus was not asked

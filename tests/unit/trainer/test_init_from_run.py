@@ -121,7 +121,7 @@ def test_preference_training_takes_only_the_weights_of_the_checkpoint_it_started
                                                           f"storage.init_from_run={lora_run.uri}"])
     with pytest.raises(RaytrainError, match="holds LoRA adapters, not a whole model"):
         source_weights(from_lora, None)
-    from raytrain.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="storage.init_from_run.*LoRA preference training takes its base"):
-        load_job_config("configs/demo-dpo.yaml", [f"storage.init_from_run={sft.uri}", "model.lora.rank=4"])
+    lora_dpo = load_job_config("configs/demo-dpo.yaml", [f"storage.root={root.path}", "storage.user=alice",
+                                                         "storage.run_name=lora-dpo", "model.lora.rank=4",
+                                                         f"storage.init_from_run={sft.uri}"])
+    assert source_weights(lora_dpo, None)["step"] == 9  # LoRA adapters on the fine-tune's latest weights
