@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -514,26 +513,6 @@ def _check_model_fits_tokenizer(job: JobConfig) -> None:
                             f"dataset.tokenizer={job.dataset.tokenizer!r}; pick a matching tokenizer or preset")
 
 
-@contextlib.contextmanager
-def _start_layers(job: JobConfig, base: dict[str, Any], lora_rank: int) -> Iterator[str]:
-    """The layer files of the checkpoint a LoRA preference run started from (its adapters' base: ``base`` from
-    trainer.launch.source_weights), as a local folder for the length of the block; "" for any other run."""
-    if not (lora_rank and base.get("init_from_run")):
-        yield ""
-        return
-    from raytrain.checkpoint.store import CheckpointStore
-    from raytrain.pipeline.engine import DS_TAG
-
-    source = CheckpointStore(resolve(base["init_from_run"], s3_endpoint=job.storage.s3_endpoint or None),
-                             read_only=True)
-    ckpt = source.get(base["step"])  # source_weights found it just now; the other run is read, never leased
-    if ckpt is None:
-        raise RaytrainError(f"{base['checkpoint']}, the base of this run's adapters, vanished during the export")
-    layers = [rel for rel in ckpt.manifest["files"] if rel.startswith(f"{DS_TAG}/layer_")]
-    with source.local_copy(ckpt, layers, label="export-base") as local:
-        yield os.path.join(local, DS_TAG)
-
-
 def export_latest(job: JobConfig, out_dir: str = "") -> str:
     """Merge the run's latest checkpoint into a Hugging Face Mistral directory; returns its path. A LoRA run also
     gets a PEFT adapter folder (raytrain.pipeline.lora.export_lora).
@@ -548,6 +527,7 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
     from raytrain.pipeline.lora import base_identity, check_resume_settings, export_lora
     from raytrain.pipeline.model import model_config
     from raytrain.trainer.launch import source_weights
+    from raytrain.trainer.preference import started_from_layers
 
     run = open_run(job)
     store = CheckpointStore(run.root)
@@ -575,11 +555,13 @@ def export_latest(job: JobConfig, out_dir: str = "") -> str:
         base = source_weights(job, ckpt) if start else base_identity(job) if lora.rank else {}
         check_resume_settings(ckpt.metadata.get("config") or {}, ckpt.metadata.get("base"), job, base,
                               f"checkpoint {ckpt.uri}")
-        with store.local_copy(ckpt, layers, label="export") as local, _start_layers(job, base, lora.rank) as start_dir:
+        started = started_from_layers(base, job.storage.s3_endpoint or None, label="export-base") \
+            if lora.rank and start else contextlib.nullcontext("")  # the adapters' base: that run's weights
+        with store.local_copy(ckpt, layers, label="export") as local, started as start_dir:
             if lora.rank:
                 written = export_lora(os.path.join(local, DS_TAG), cfg, lora, out_dir, seed=job.train.seed,
                                       init_from=job.model.init_from, tokenizer=job.dataset.tokenizer,
-                                      base_layer_files=start_dir)
+                                      base_layer_files=start_dir and os.path.join(start_dir, DS_TAG))
                 log.info("export: merged model in %s, PEFT adapter in %s%s", written["merged"], written["adapter"],
                          f", its seeded base in {written['base']}" if "base" in written else "")
             else:

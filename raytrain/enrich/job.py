@@ -232,15 +232,24 @@ def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLoc
                eval_sets: tuple[str, ...] | None = None, plan: EnrichPlan | None = None) -> EnrichResult:
     """Start Spark on the running Ray cluster, enrich, stop Spark; returns where the outputs are and the report.
     ``plan``: ``plan_enrichment(job, input_root, eval_sets)`` when the caller made it already."""
-    from raytrain.enrich.jars import spark_jar_configs
-    from raytrain.enrich.spark import spark_conf, spark_session
+    from raytrain.enrich.spark import spark_session
 
     # Fail on bad inputs (and missing s3a jars) in seconds, before a JVM starts.
     plan = plan or plan_enrichment(job, input_root, eval_sets)
-    corpus_locs = [f.loc for f in plan.corpus_files or []]
+    configs = session_configs(job, input_root, run_root, plan.corpus_files)
+    with spark_session(job.enrich, extra_configs=configs) as spark:
+        return enrich_in_session(spark, job, input_root, run_root, plan=plan)
+
+
+def session_configs(job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
+                    corpus_files: list[Any] | None) -> dict[str, str]:
+    """Spark settings for reading the input and the corpus files and writing the run root (each location's
+    filesystem settings, the s3a jars when one is on S3); the preference pairs' job uses it too."""
+    from raytrain.enrich.jars import spark_jar_configs
+    from raytrain.enrich.spark import spark_conf
+
+    corpus_locs = [f.loc for f in corpus_files or []]
     configs = spark_conf(input_root) | spark_conf(run_root)
     for loc in corpus_locs:
         configs |= spark_conf(loc)
-    configs |= spark_jar_configs(job.enrich.spark_jars, (input_root, run_root, *corpus_locs))
-    with spark_session(job.enrich, extra_configs=configs) as spark:
-        return enrich_in_session(spark, job, input_root, run_root, plan=plan)
+    return configs | spark_jar_configs(job.enrich.spark_jars, (input_root, run_root, *corpus_locs))

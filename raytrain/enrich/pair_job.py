@@ -20,7 +20,7 @@ import time
 from raytrain.config import JobConfig
 from raytrain.enrich.corpus import CorpusFile, check_corpus
 from raytrain.enrich.decontam import build_eval_index, build_sorted_index
-from raytrain.enrich.job import EnrichResult, corpus_table, footer_rows
+from raytrain.enrich.job import EnrichResult, corpus_table, footer_rows, session_configs
 from raytrain.enrich.pair_inputs import PairInputFiles, discover_pair_inputs
 from raytrain.enrich.plan import EvalSets, load_eval_texts
 from raytrain.enrich.report import build_pair_report, pair_summary_text
@@ -86,18 +86,13 @@ def run_enrich_pairs(job: JobConfig, input_root: StorageLocation, run_root: Stor
                      eval_sets: tuple[str, ...] | None = None, inputs: PairInputFiles | None = None) -> EnrichResult:
     """Find the inputs (``inputs``: what ``discover_pair_inputs`` found already) and read the eval sets (bad ones
     fail here, before a JVM starts), start Spark on the running Ray cluster, enrich the pairs, stop Spark."""
-    from raytrain.enrich.jars import spark_jar_configs
-    from raytrain.enrich.spark import spark_conf, spark_session
+    from raytrain.enrich.spark import spark_session
 
     cfg, endpoint = job.enrich, job.storage.s3_endpoint or None
     inputs = inputs or discover_pair_inputs(input_root)
     evals = load_eval_texts(tuple(cfg.eval_sets if eval_sets is None else eval_sets), input_root, endpoint)
     corpus_files = check_corpus(cfg.context_corpus, cfg.corpus_id_field, cfg.corpus_text_field, input_root,
                                 endpoint) if cfg.context_corpus else None
-    corpus_locs = [f.loc for f in corpus_files or []]
-    configs = spark_conf(input_root) | spark_conf(run_root)
-    for loc in corpus_locs:
-        configs |= spark_conf(loc)
-    configs |= spark_jar_configs(cfg.spark_jars, (input_root, run_root, *corpus_locs))
+    configs = session_configs(job, input_root, run_root, corpus_files)
     with spark_session(cfg, extra_configs=configs) as spark:
         return enrich_pairs_in_session(spark, job, inputs, evals, run_root, corpus_files)

@@ -313,22 +313,15 @@ def build_stage_engine(model_cfg: MistralConfig, ds_config: dict[str, Any], *, p
     return StageEngine.of(engine, adapters_only=lora is not None and lora.rank > 0)
 
 
-def stage_layer_files(module: PipelineModule) -> list[str]:
-    """The per-layer files of a checkpoint (relative to its step dir) that hold ``module``'s layers: DeepSpeed's
-    pipeline writes one per layer, so any pp reads any other pp's checkpoint."""
-    return [f"{DS_TAG}/layer_{i:02d}-model_states.pt" for i in range(module._local_start, module._local_stop)]
-
-
 def load_layer_files(module: PipelineModule, step_dir: str) -> None:
-    """Load ``module``'s layers from a checkpoint's per-layer files under ``step_dir`` (``stage_layer_files``),
-    strict: each file must hold exactly its layer's parameters."""
-    for layer, rel in zip(module.forward_funcs, stage_layer_files(module), strict=True):
-        if not hasattr(layer, "load_state_dict"):
-            continue
-        path = os.path.join(step_dir, *rel.split("/"))
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} is missing: the checkpoint does not hold this stage's layer")
-        layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
+    """Load ``module``'s layers from a checkpoint's per-layer files under ``step_dir`` (DeepSpeed's pipeline writes
+    one per layer, so any pp reads any other pp's checkpoint), strict: each file must hold exactly its layer's
+    parameters."""
+    from raytrain.pipeline.hf_io import load_layer_file
+
+    for offset, layer in enumerate(module.forward_funcs):
+        if hasattr(layer, "load_state_dict"):
+            load_layer_file(layer, os.path.join(step_dir, DS_TAG), module._local_start + offset)
 
 
 def _model_states(names: list[str]) -> list[str]:

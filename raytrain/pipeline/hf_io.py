@@ -101,8 +101,22 @@ def load_hf_into_stage(module: PipelineModule, hf_dir: str | os.PathLike) -> lis
     return load_hf_into_layers(layers, start, cfg, hf_dir)
 
 
+def layer_file_name(layer_index: int) -> str:
+    """DeepSpeed's pipeline file of one layer's weights, inside a checkpoint's tag folder."""
+    return f"layer_{layer_index:02d}-model_states.pt"
+
+
 def _layer_file(tag_dir: Path, layer_index: int) -> Path:
-    return tag_dir / f"layer_{layer_index:02d}-model_states.pt"
+    return tag_dir / layer_file_name(layer_index)
+
+
+def load_layer_file(layer: torch.nn.Module, tag_dir: str | Path, layer_index: int) -> None:
+    """Load pipeline layer ``layer_index`` from its file in a checkpoint's tag folder, strict: the file must hold
+    exactly the layer's parameters."""
+    path = _layer_file(Path(tag_dir), layer_index)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the checkpoint does not hold pipeline layer {layer_index}")
+    layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
 
 
 def _check_layer_files(tag_dir: Path, cfg: MistralConfig) -> None:

@@ -182,14 +182,13 @@ def _base_layers(cfg: MistralConfig, seed: int, init_from: str, layer_files: str
                  ) -> Iterator[tuple[int, nn.Module]]:
     """(pipeline index, layer) of the base, one layer in memory at a time: seeded, loaded from ``init_from``, or
     from ``layer_files`` (a folder of DeepSpeed's per-layer files: another run's checkpoint)."""
-    from raytrain.pipeline.hf_io import load_hf_into_layers
+    from raytrain.pipeline.hf_io import load_hf_into_layers, load_layer_file
     from raytrain.pipeline.model import layer_constructors
 
     for index, (cls, args, kwargs) in enumerate(layer_constructors(cfg, seed)):
         layer = cls(*args, **kwargs)
         if layer_files:
-            layer.load_state_dict(torch.load(os.path.join(layer_files, f"layer_{index:02d}-model_states.pt"),
-                                             map_location="cpu", weights_only=True), strict=True)
+            load_layer_file(layer, layer_files, index)
         elif init_from:
             load_hf_into_layers([layer], index, cfg, init_from)
         yield index, layer
@@ -213,7 +212,7 @@ def export_lora(tag_dir: str, cfg: MistralConfig, lora: LoraConfig, out_dir: str
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import save_file
 
-    from raytrain.pipeline.hf_io import export_to_hf
+    from raytrain.pipeline.hf_io import export_to_hf, layer_file_name
 
     out = {"merged": out_dir, "adapter": os.path.join(out_dir, "adapter")}
     adapters: dict[str, torch.Tensor] = {}
@@ -222,7 +221,7 @@ def export_lora(tag_dir: str, cfg: MistralConfig, lora: LoraConfig, out_dir: str
         os.makedirs(merged_dir)
         os.makedirs(base_dir)
         for index, layer in _base_layers(cfg, seed, init_from, base_layer_files):
-            name = f"layer_{index:02d}-model_states.pt"
+            name = layer_file_name(index)
             torch.save(layer.state_dict(), os.path.join(base_dir, name))
             trained = torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=True)
             if isinstance(layer, DecoderLayerPipe):

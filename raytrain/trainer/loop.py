@@ -285,15 +285,12 @@ def _resume_source(store: CheckpointStore, job: JobConfig) -> CheckpointStore:
 def _source_weights(cfg: LoopConfig) -> Callable[[Any], None]:
     """Loads a stage's layers from the checkpoint a preference run starts from (``cfg.base``: another run's,
     storage.init_from_run), read-only; on s3/hdfs only this stage's layer files are fetched."""
-    from raytrain.pipeline.engine import load_layer_files, stage_layer_files
+    from raytrain.pipeline.engine import load_layer_files
+    from raytrain.trainer.preference import started_from_layers
 
     def load(module: Any) -> None:
-        source = CheckpointStore(resolve(cfg.base["init_from_run"], s3_endpoint=cfg.job.storage.s3_endpoint or None),
-                                 read_only=True)
-        ckpt = source.get(cfg.base["step"])
-        if ckpt is None:
-            raise RuntimeError(f"{cfg.base['checkpoint']} vanished after the driver checked it")
-        with source.local_copy(ckpt, stage_layer_files(module), label="start") as local:
+        layers = range(module._local_start, module._local_stop)
+        with started_from_layers(cfg.base, cfg.job.storage.s3_endpoint or None, layers) as local:
             load_layer_files(module, local)
     return load
 

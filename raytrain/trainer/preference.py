@@ -15,16 +15,40 @@ import hashlib
 import io
 import json
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from raytrain.config import JobConfig
+from raytrain.errors import RaytrainError
 from raytrain.pipeline.dpo import METRICS
 from raytrain.storage import StorageLocation
 from raytrain.trainer.feed import pad_rows, to_pair_micro_batch
 from raytrain.trainer.schedule import Topology, validation_micro_batches_of
+
+
+@contextlib.contextmanager
+def started_from_layers(start: dict[str, Any], s3_endpoint: str | None, layers: Iterable[int] | None = None,
+                        label: str = "start") -> Iterator[str]:
+    """A local step folder holding the per-layer files (``layers``; None: all) of the checkpoint a preference run
+    started from (``start``: trainer.launch.source_weights, another run's, storage.init_from_run) for the length of
+    the block: that run's folder in place on POSIX, only these files fetched from s3/hdfs. Read only."""
+    from raytrain.checkpoint.store import CheckpointStore
+    from raytrain.pipeline.engine import DS_TAG
+    from raytrain.pipeline.hf_io import layer_file_name
+    from raytrain.storage import resolve
+
+    source = CheckpointStore(resolve(start["init_from_run"], s3_endpoint=s3_endpoint), read_only=True)
+    ckpt = source.get(start["step"])
+    if ckpt is None:
+        raise RaytrainError(f"{start['checkpoint']}, the checkpoint this run started from, vanished after the "
+                            "driver checked it (deleted by its run's retention?); start a new storage.run_name")
+    files = [rel for rel in ckpt.manifest["files"] if rel.startswith(f"{DS_TAG}/layer_")] if layers is None \
+        else [f"{DS_TAG}/{layer_file_name(i)}" for i in layers]
+    with source.local_copy(ckpt, files, label=label) as local:
+        yield local
 
 
 def reference_key(job: JobConfig, packed_uri: str, start: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from mistral_reference import ours_from_layer_files
 
 from raytrain.config import load_job_config
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_pair
@@ -169,22 +170,12 @@ def test_resumed_run_is_bit_equal_and_does_not_score_the_reference_again(runs):
 def test_reference_logps_equal_the_starting_model_outside_the_pipeline(runs):
     """The stored reference of the first training pack equals the seeded starting model's log-probabilities
     computed in this process with the plain layers (no DeepSpeed, no pipeline)."""
-    from raytrain.dataset.pack_reader import PackReader
-    from raytrain.pipeline.dpo import pair_logps
     from raytrain.pipeline.model import build_sequential, model_config
 
     job = runs["a"]
-    run = open_run(job)
-    packed = run.paths.packed
-    manifest = json.loads(packed.join("_manifest.json").read_text())
-    pack = PackReader(packed.uri, manifest["files"]).read([0])
     model = build_sequential(model_config(job.model.preset), seed=job.train.seed).eval()
-    inputs = tuple(torch.from_numpy(pack[name]) for name in ("input_ids", "position_ids", "segment_ids"))
-    with torch.no_grad():
-        logps, _ = pair_logps(model(inputs), torch.from_numpy(pack["labels"]), inputs[2],
-                              torch.from_numpy(pack["pair_segments"]).view(1, -1, 2))
     stored = _reference_files(job)["train.npy"][1][0]
-    np.testing.assert_allclose(stored, logps.reshape(-1).numpy(), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(stored, _first_pack_logps(job, model), rtol=1e-5, atol=1e-4)
     assert (stored[:2] < 0).all()  # the first pair slot holds a pair
 
 
@@ -281,14 +272,28 @@ def test_a_pair_is_never_split_across_micro_batches_or_replicas(runs):
 
 def _sequential(job) -> torch.nn.Sequential:
     """Our layers with the run's last weights, from DeepSpeed's layer files (no export code involved)."""
-    from raytrain.pipeline.model import build_sequential, model_config
+    from raytrain.checkpoint.store import CheckpointStore
+    from raytrain.pipeline.model import model_config
 
-    model = build_sequential(model_config(job.model.preset), seed=job.train.seed + 1).eval()
-    weights = _final_weights(job)
-    for index, layer in enumerate(model):
-        layer.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items()
-                               if k.startswith(f"layer_{index:02d}-")}, strict=True)
-    return model
+    ckpt = CheckpointStore(open_run(job).root).latest()
+    return ours_from_layer_files(model_config(job.model.preset), os.path.join(ckpt.local_path, "ds"),
+                                 seed=job.train.seed + 1)
+
+
+def _first_pack_logps(job, model) -> np.ndarray:
+    """``model``'s pair log-probabilities on the run's first training pack read by our pack reader, outside the
+    pipeline (no DeepSpeed)."""
+    from raytrain.dataset.pack_reader import PackReader
+    from raytrain.pipeline.dpo import pair_logps
+
+    packed = open_run(job).paths.packed
+    manifest = json.loads(packed.join("_manifest.json").read_text())
+    pack = PackReader(packed.uri, manifest["files"]).read([0])
+    inputs = tuple(torch.from_numpy(pack[name]) for name in ("input_ids", "position_ids", "segment_ids"))
+    with torch.no_grad():
+        logps, _ = pair_logps(model(inputs), torch.from_numpy(pack["labels"]), inputs[2],
+                              torch.from_numpy(pack["pair_segments"]).view(1, -1, 2))
+    return logps.reshape(-1).numpy()
 
 
 def test_export_of_a_preference_run_serves_its_weights_in_transformers(runs, tmp_path):
@@ -312,24 +317,13 @@ def test_export_of_a_preference_run_serves_its_weights_in_transformers(runs, tmp
 def test_preference_training_starts_from_another_runs_weights(runs):
     """Run e takes run a's last weights (pp 2 x dp 2 files, loaded by one stage) and none of its steps: its
     reference is a's trained model scored outside the pipeline, its first loss ln 2, its steps its own."""
-    from raytrain.dataset.pack_reader import PackReader
-    from raytrain.pipeline.dpo import pair_logps
-
     a, e = runs["a"], runs["e"]
     metrics = _metrics(e)
     assert sorted(metrics) == [1, 2]
     assert metrics[1]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # policy = reference = a's weights
     assert metrics[1]["logps/chosen"] != pytest.approx(_metrics(a)[1]["logps/chosen"], rel=1e-3)
-    model = _sequential(a)
-    packed = open_run(e).paths.packed
-    manifest = json.loads(packed.join("_manifest.json").read_text())
-    pack = PackReader(packed.uri, manifest["files"]).read([0])
-    inputs = tuple(torch.from_numpy(pack[name]) for name in ("input_ids", "position_ids", "segment_ids"))
-    with torch.no_grad():
-        logps, _ = pair_logps(model(inputs), torch.from_numpy(pack["labels"]), inputs[2],
-                              torch.from_numpy(pack["pair_segments"]).view(1, -1, 2))
-    np.testing.assert_allclose(_reference_files(e)["train.npy"][1][0], logps.reshape(-1).numpy(), rtol=1e-5,
-                               atol=1e-4)
+    np.testing.assert_allclose(_reference_files(e)["train.npy"][1][0], _first_pack_logps(e, _sequential(a)),
+                               rtol=1e-5, atol=1e-4)
     from raytrain.checkpoint.store import CheckpointStore
 
     start = CheckpointStore(open_run(e).root).latest().metadata["base"]

@@ -19,6 +19,7 @@ from mistral_common.protocol.instruct.messages import UserMessage
 from mistral_common.protocol.instruct.request import ChatCompletionRequest
 from mistral_common.protocol.instruct.validator import ValidationMode
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+from mistral_reference import ours_from_layer_files
 from synthetic_data import SHORT, synthetic_conversations, write_packed
 
 from raytrain.checkpoint.store import CheckpointStore
@@ -77,13 +78,7 @@ def reference_layers(trained):
     cfg = MistralConfig.preset(job.model.preset)
     latest = CheckpointStore(open_run(job).root).latest()
     assert latest is not None and latest.step == STEPS
-    tag_dir = os.path.join(latest.local_path, DS_TAG)
-    model = build_sequential(cfg, seed=job.train.seed + 1)  # a different init: every tensor must be overwritten
-    for index, layer in enumerate(model):
-        state = torch.load(os.path.join(tag_dir, f"layer_{index:02d}-model_states.pt"), map_location="cpu",
-                           weights_only=True)
-        layer.load_state_dict(state, strict=True)
-    return model.eval()
+    return ours_from_layer_files(cfg, os.path.join(latest.local_path, DS_TAG), seed=job.train.seed + 1)
 
 
 def _prompt_ids() -> torch.Tensor:

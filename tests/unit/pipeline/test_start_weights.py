@@ -8,7 +8,8 @@ import deepspeed
 import pytest
 import torch
 
-from raytrain.pipeline.engine import DS_TAG, load_layer_files, stage_layer_files
+from raytrain.pipeline.engine import DS_TAG, load_layer_files
+from raytrain.pipeline.hf_io import layer_file_name
 from raytrain.pipeline.model import MistralConfig
 from raytrain.pipeline.module import build_pipeline_module
 
@@ -32,7 +33,7 @@ def test_a_fresh_stage_takes_the_checkpoints_weights(gloo_group, tmp_path):
     trained = _trained_checkpoint(str(tmp_path))
     fresh = build_pipeline_module(CFG, num_stages=1, seed=0)
     assert any(not torch.equal(v, trained[k]) for k, v in fresh.state_dict().items())  # the step changed weights
-    assert all(os.path.exists(tmp_path / rel) for rel in stage_layer_files(fresh))
+    assert all(os.path.exists(tmp_path / DS_TAG / layer_file_name(i)) for i in range(len(fresh.forward_funcs)))
     load_layer_files(fresh, str(tmp_path))
     loaded = fresh.state_dict()
     assert sorted(loaded) == sorted(trained)
@@ -43,9 +44,9 @@ def test_a_fresh_stage_takes_the_checkpoints_weights(gloo_group, tmp_path):
 def test_a_missing_or_foreign_layer_file_is_refused(gloo_group, tmp_path):
     _trained_checkpoint(str(tmp_path))
     fresh = build_pipeline_module(CFG, num_stages=1, seed=0)
-    first, second = stage_layer_files(fresh)[1:3]  # two decoder layers
+    first, second = (f"{DS_TAG}/{layer_file_name(i)}" for i in (1, 2))  # two decoder layers
     os.replace(tmp_path / second, tmp_path / "moved.pt")
-    with pytest.raises(FileNotFoundError, match="layer_02-model_states.pt is missing"):
+    with pytest.raises(FileNotFoundError, match="layer_02-model_states.pt is missing: the checkpoint does not hold pipeline layer 2"):
         load_layer_files(fresh, str(tmp_path))
     torch.save({"weight": torch.zeros(3)}, tmp_path / second)  # not a decoder layer's parameters
     with pytest.raises(RuntimeError, match="Missing key"):
