@@ -63,7 +63,7 @@ SPLITS = 5  # the sample writes rows_per_split rows in each of the dataset's fiv
 
 def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     """The same steps in one process, plain Python + sentence-transformers: returns the time and rows kept."""
-    from near_dedup_reference import near_duplicate_clusters
+    from near_dedup_reference import near_duplicates_in_order
 
     from raytrain.dataset.length import decide_length
     from raytrain.dataset.tokenize import fit_tool_call_turns, load_tokenizer, tokenize_conversation
@@ -80,14 +80,12 @@ def baseline_enrich(rows: list[dict], job, eval_texts: list[str]) -> dict:
     examples = [e for e in (derive_example(r, max_chars=cfg.max_chars) for r in rows) if isinstance(e, Example)]
     allowed = {lic.lower() for lic in cfg.licenses}
     examples = [e for e in examples if e.license.strip().lower() in allowed]
-    best: dict[str, Example] = {}
-    for e in examples:
-        k = exact_key(e.full_text())
-        if k not in best or e.uuid < best[k].uuid:
-            best[k] = e
-    examples = list(best.values())
-    drop = set(near_duplicate_clusters([e.uuid for e in examples], minhash_signatures([e.full_text() for e in examples]),
-                                       cfg.near_dup_threshold))
+    first: dict[str, Example] = {}
+    for e in examples:  # `rows` in input order: the first row of each key stays
+        first.setdefault(exact_key(e.full_text()), e)
+    examples = list(first.values())
+    drop = set(near_duplicates_in_order([e.uuid for e in examples],
+                                        minhash_signatures([e.full_text() for e in examples]), cfg.near_dup_threshold))
     examples = [e for e in examples if e.uuid not in drop]
     index = build_eval_index(eval_texts, cfg.decontam_ngram)
     examples = [e for e in examples if not any(int(h) in index for h in ngram_hashes(e.full_text(), cfg.decontam_ngram))]
@@ -232,7 +230,7 @@ def main() -> int:
     torch.set_num_threads(args.executors)  # the cores Spark's executors had
     for n in single_runs:
         sample = samples[n]
-        rows = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
+        rows = pa.concat_tables([pq.read_table(p).sort_by("uuid") for p in sample.all_files()]).to_pylist()
         base = baseline_enrich(rows, job, load_eval_texts((sample.eval_path,), resolve("/"), None).texts)
         figures["single"][n] = {"seconds": base["seconds"], "rows_in": len(rows), "rows_out": base["rows_out"]}
         print(f"single process {n} rows: {base['seconds']:.1f} s", flush=True)

@@ -34,7 +34,7 @@ from raytrain.enrich.context import (
 )
 from raytrain.enrich.conversation import Example, derive_example
 from raytrain.enrich.decontam import contamination_counts
-from raytrain.enrich.dedup import cluster_roots, exact_key, lsh_band_keys, minhash_signature, verified_pairs
+from raytrain.enrich.dedup import exact_key, lsh_band_keys, minhash_signature, verified_pairs
 
 if TYPE_CHECKING:
     from raytrain.config import DatasetConfig, EnrichConfig
@@ -55,10 +55,16 @@ ROW = pa.schema([("row_id", pa.int64()), ("split", pa.string()), ("uuid", pa.str
                  ("detail", pa.string()), ("context", pa.string()), ("question", pa.string()),
                  ("answer", pa.string()), ("messages_json", pa.string())])
 """The row columns every table of the enrichment starts with (pass 2 reads them, with the final verdict)."""
-PREPARED = pa.schema([*ROW, ("exact_key", pa.string()), ("signature", pa.binary()),
+PREPARED = pa.schema([*ROW, ("file_index", pa.int64()), ("exact_key", pa.string()), ("signature", pa.binary()),
                       ("band_keys", pa.list_(pa.int64())), ("eval_ngrams", pa.int64())])
 """``prepare_batch``'s output: every input row, its verdict so far, what dedup and decontamination compare.
-``eval_ngrams``: distinct word n-grams shared with the eval sets (decided after dedup, as the chain orders it)."""
+``file_index``: the position of the row's file in the input order (duplicates keep the first row in the order
+``INPUT_ORDER``). ``eval_ngrams``: distinct word n-grams shared with the eval sets (decided after dedup, as the
+chain orders it)."""
+INPUT_ORDER = ("file_index", "uuid", "row_id")
+"""The order in which a duplicate keeps its first row: the files in input order, then uuid within a file (row_id
+only breaks ties between copies of one uuid in one file). Processing the files in that order, front to back, decides
+every row the same way as processing them all at once."""
 SELECTION = pa.schema([("context_sentences", pa.list_(pa.string())), ("kept_indices", pa.list_(pa.int32())),
                        ("kept_sentences", pa.list_(pa.string())), ("sentence_scores", pa.list_(pa.float32())),
                        ("question_scores", pa.list_(pa.float32())), ("answer_scores", pa.list_(pa.float32())),
@@ -90,8 +96,8 @@ def _defaults(schema: pa.Schema, n: int) -> dict[str, list]:
 # ---- pass 1: derive, license, dedup keys, eval n-grams ----------------------------------------------------------
 def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str], num_perm: int, bands: int,
                   rows: int, shingle_chars: int, eval_index: np.ndarray, ngram: int) -> pd.DataFrame:
-    """Raw Nemotron rows (+ ``row_id``, ``split``, and ``guard_reason`` / ``guard_detail`` when Spark checked them
-    first: raytrain.enrich.row_guard) -> one PREPARED row each.
+    """Raw Nemotron rows (+ ``row_id``, ``split``, ``file_index`` (0 when absent), and ``guard_reason`` /
+    ``guard_detail`` when Spark checked them first: raytrain.enrich.row_guard) -> one PREPARED row each.
 
     ``status``: the guard's reason when it has one, else a derive reason (conversation.QUARANTINE_REASONS), "license" (its trimmed, case-folded license not
     in ``licenses``) or "ok". Rows with "ok" get the exact-dedup key (dedup.exact_key of every turn's text), the
@@ -109,13 +115,15 @@ def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str],
         if refused:  # Spark refused it already (row_guard): its text never reached this process
             category = row.get("category")
             values: dict[str, Any] = {**empty, "row_id": int(row["row_id"]), "split": row["split"],
+                                      "file_index": int(row.get("file_index") or 0),
                                       "uuid": row.get("uuid"), "status": refused, "detail": row.get(GUARD_DETAIL) or "",
                                       "category": category if isinstance(category, str) else ""}
             for name in PREPARED.names:
                 out[name].append(values[name])
             continue
         result = derive_example(row, max_chars=max_chars)
-        values = {**empty, "row_id": int(row["row_id"]), "split": row["split"], "uuid": result.uuid}
+        values = {**empty, "row_id": int(row["row_id"]), "split": row["split"], "uuid": result.uuid,
+                  "file_index": int(row.get("file_index") or 0)}
         if isinstance(result, Example):
             values.update(category=result.category, license=result.license, reasoning=result.reasoning)
             if result.license.strip().lower() in allowed:
@@ -134,7 +142,8 @@ def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str],
             out[name].append(values[name])
     fill_dedup_columns(out, texts, num_perm=num_perm, bands=bands, rows=rows, shingle_chars=shingle_chars,
                        eval_index=eval_index, ngram=ngram)
-    return pd.DataFrame(out, columns=list(PREPARED.names)).astype({"row_id": "int64", "eval_ngrams": "int64"})
+    return pd.DataFrame(out, columns=list(PREPARED.names)).astype({"row_id": "int64", "file_index": "int64",
+                                                                   "eval_ngrams": "int64"})
 
 
 def fill_dedup_columns(out: dict[str, list], texts: list[str], *, num_perm: int, bands: int, rows: int,
@@ -155,48 +164,18 @@ def fill_dedup_columns(out: dict[str, list], texts: list[str], *, num_perm: int,
 
 PAIRS = pa.schema([("a_row_id", pa.int64()), ("a_uuid", pa.string()), ("b_row_id", pa.int64()),
                    ("b_uuid", pa.string()), ("jaccard", pa.float64())])
-"""``verify_bucket``'s output: a near-duplicate pair, a before b by (uuid, row_id)."""
+"""``verify_bucket``'s output: a near-duplicate pair, a before b in ``INPUT_ORDER``: b is the near duplicate."""
 
 
 def verify_bucket(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
-    """One LSH bucket (row_id, uuid, signature) -> its verified pairs (PAIRS), a ordered before b by
-    (uuid, row_id), with estimated Jaccard >= threshold. Blocks of rows keep a huge bucket within ~4M booleans."""
-    pdf = pdf.sort_values(["uuid", "row_id"], kind="stable").reset_index(drop=True)
+    """One LSH bucket (row_id, file_index, uuid, signature) -> its verified pairs (PAIRS), a before b in
+    ``INPUT_ORDER``, with estimated Jaccard >= threshold. Blocks of rows keep a huge bucket within ~4M booleans."""
+    pdf = pdf.sort_values(list(INPUT_ORDER), kind="stable").reset_index(drop=True)
     sigs = np.stack([np.frombuffer(s, dtype=np.uint32) for s in pdf["signature"]]) if len(pdf) \
         else np.zeros((0, 1), dtype=np.uint32)  # (M, P)
     row_ids, uuids = pdf["row_id"].astype(np.int64).tolist(), pdf["uuid"].tolist()
     return pd.DataFrame([(row_ids[i], uuids[i], row_ids[j], uuids[j], jaccard)
                          for i, j, jaccard in verified_pairs(sigs, threshold)], columns=list(PAIRS.names))
-
-
-def near_duplicate_drops(pairs: pd.DataFrame) -> pd.DataFrame:
-    """Verified near-duplicate pairs (PAIRS) -> (``row_id``, ``dup_detail``) of every cluster member except the
-    smallest (uuid, row_id), which the cluster keeps.
-
-    Clusters are the connected components of the pairs (dedup.cluster_roots: transitive, a~b and b~c put a, b,
-    c together even when a and c differ more). The detail names the kept row and the member's verified partner
-    with the highest estimated Jaccard (ties: the smallest partner): the link that put it in the cluster.
-    Vectorized: memory and time linear in the pairs."""
-    if pairs.empty:
-        return pd.DataFrame({"row_id": pd.Series([], dtype="int64"), "dup_detail": pd.Series([], dtype=object)})
-    ends = pd.DataFrame({"uuid": np.concatenate([pairs["a_uuid"], pairs["b_uuid"]]),
-                         "row_id": np.concatenate([pairs["a_row_id"], pairs["b_row_id"]]).astype(np.int64)})
-    nodes = ends.drop_duplicates().sort_values(["uuid", "row_id"], kind="stable").reset_index(drop=True)  # (V,)
-    order = pd.MultiIndex.from_frame(nodes)
-    a = order.get_indexer(pd.MultiIndex.from_arrays([pairs["a_uuid"], pairs["a_row_id"].astype(np.int64)]))  # (E,)
-    b = order.get_indexer(pd.MultiIndex.from_arrays([pairs["b_uuid"], pairs["b_row_id"].astype(np.int64)]))  # (E,)
-    num_nodes = len(nodes)
-    kept = cluster_roots(a, b, num_nodes)  # nodes are in (uuid, row_id) order: the root is the row kept
-    jaccard = pairs["jaccard"].to_numpy(dtype=np.float64)
-    links = pd.DataFrame({"node": np.concatenate([a, b]), "partner": np.concatenate([b, a]),
-                          "jaccard": np.concatenate([jaccard, jaccard])})
-    best = links.sort_values(["node", "jaccard", "partner"], ascending=[True, False, True], kind="stable") \
-        .drop_duplicates("node").set_index("node")
-    dropped = np.flatnonzero(kept != np.arange(num_nodes))
-    uuids = nodes["uuid"].to_numpy()
-    details = [f"near-duplicate of {uuids[kept[i]]} (cluster kept; estimated Jaccard {best.at[i, 'jaccard']:.3f} "
-               f"with {uuids[best.at[i, 'partner']]})" for i in dropped]
-    return pd.DataFrame({"row_id": nodes["row_id"].to_numpy()[dropped], "dup_detail": details})
 
 
 # ---- relevance selection -----------------------------------------------------------------------------------------

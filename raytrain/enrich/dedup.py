@@ -1,10 +1,10 @@
-"""Exact and near-duplicate detection: normalized-text keys, MinHash signatures, LSH band keys, clustering.
+"""Exact and near-duplicate detection: normalized-text keys, MinHash signatures, LSH band keys, verification.
 
 Every hash here is a fixed function of the bytes (sha1, blake2b, splitmix64), never Python's per-process
 salted ``hash()``, so Spark workers on different machines agree. The Spark job computes ``exact_key``,
-``minhash_signature`` and ``lsh_band_keys`` in its first pass (batches.prepare_batch), groups rows by band key,
-verifies each bucket with ``verified_pairs`` (batches.verify_bucket) and clusters the verified pairs with
-``cluster_roots`` (batches.near_duplicate_drops). The same rule in one process, for tests and the benchmark's
+``minhash_signature`` and ``lsh_band_keys`` in its first pass (batches.prepare_batch), groups rows by band key and
+verifies each bucket with ``verified_pairs`` (batches.verify_bucket); the later row of a verified pair in input
+order is the near duplicate (passes.duplicates). The same rule in one process, for tests and the benchmark's
 baseline, is tests/near_dedup_reference.py.
 
 The MinHash and the banding are ours, not datasketch's: the Spark job needs band keys it can explode and group
@@ -193,18 +193,3 @@ def verified_pairs(sigs: np.ndarray, threshold: float) -> list[tuple[int, int, f
             if i < j:
                 out.append((i, j, float(sim[a, b])))
     return out
-
-
-def cluster_roots(a: np.ndarray, b: np.ndarray, num_nodes: int) -> np.ndarray:
-    """Connected components of the undirected edges (a[k], b[k]) over nodes 0..num_nodes-1 -> (num_nodes,) the
-    smallest node of each node's component (itself when alone). scipy.sparse.csgraph: linear in the edges."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-
-    if not num_nodes:
-        return np.zeros(0, dtype=np.int64)
-    _, labels = connected_components(coo_matrix((np.ones(len(a)), (a, b)), shape=(num_nodes, num_nodes)),
-                                     directed=False)  # (V,)
-    root = np.full(labels.max() + 1, num_nodes, dtype=np.int64)
-    np.minimum.at(root, labels, np.arange(num_nodes))
-    return root[labels]

@@ -1,5 +1,5 @@
 """The preference enrichment's DataFrame passes: the JSON lines read as text, pass 1 (pair_batches.prepare_pairs_batch),
-the fine-tune's dedup (passes.duplicates: same keys, same LSH, same clustering) and final verdict, pass 2
+the fine-tune's dedup (passes.duplicates: same keys, same LSH, same rule) and final verdict, pass 2
 (pair_batches.finish_pairs_batch)."""
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ QUARANTINE_COLUMNS = ("uuid", "split", "domain", "language", "reason", "detail")
 
 def read_pair_lines(spark: SparkSession, files: dict[str, str]) -> DataFrame:
     """Every non-blank line of each split's file (``value``, ``split``), with a ``row_id`` unique per line assigned
-    before any shuffle. Spark decompresses ``.gz`` by the name; blank lines are not rows in JSON Lines."""
+    before any shuffle and the ``file_index`` of its file in ``files``' order (the input order duplicates keep their
+    first row in). Spark decompresses ``.gz`` by the name; blank lines are not rows in JSON Lines."""
     frames = [spark.read.text(uri).filter(F.trim(F.col("value")) != "").withColumn("split", F.lit(split))
-              for split, uri in files.items()]
+              .withColumn("file_index", F.lit(i).cast("long")) for i, (split, uri) in enumerate(files.items())]
     df = frames[0]
     for other in frames[1:]:
         df = df.unionByName(other)

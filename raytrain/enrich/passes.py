@@ -2,8 +2,8 @@
 
     read -> guard (in the JVM: invalid UTF-8, too many turns, too long; row_guard.py)
          -> prepare (one pass: derive, license, exact-dedup key, MinHash + LSH band keys, eval n-gram count)
-         -> duplicates (narrow columns only, all in Spark: exact groups, LSH buckets verified, the verified
-            pairs' connected components in one task)
+         -> duplicates (narrow columns only, all in Spark: exact groups, LSH buckets verified; a duplicate is
+            the later row of a pair in input order)
          -> finish (one pass over the rows still kept: selection, corpus context, tokenization to ids)
 
 Every row carries a ``status`` column from the first pass on ("ok" or the reason it is quarantined), so every row
@@ -50,10 +50,13 @@ def spark_schema(schema: pa.Schema) -> T.StructType:
 def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
                 schemas: dict[str, pa.Schema | None] | None = None) -> DataFrame:
     """Raw Nemotron rows of every split (``split`` column added; at most ``max_rows`` per split when > 0), with a
-    ``row_id`` unique per row, assigned before any shuffle so it is stable for the life of the job. ``schemas``:
-    each split's files' pyarrow schema, read from their footers already (inputs.validate_inputs); given, Spark
-    reads with it instead of running a job to infer it."""
+    ``row_id`` unique per row, assigned before any shuffle so it is stable for the life of the job, and the
+    ``file_index`` of the row's file in the input order (the splits in ``files``' order, each split's files in
+    theirs): the order in which duplicates keep their first row. ``schemas``: each split's files' pyarrow schema,
+    read from their footers already (inputs.validate_inputs); given, Spark reads with it instead of running a job to
+    infer it."""
     frames = []
+    file_index = 0
     for split, uris in files.items():
         reader = spark.read
         schema = (schemas or {}).get(split)
@@ -62,7 +65,14 @@ def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
                 reader = reader.schema(from_arrow_schema(schema))
             except TypeError:  # a type Spark's converter does not map: let Spark infer it
                 pass
-        df = reader.parquet(*uris).select("uuid", "license", "category", "reasoning", "messages")
+        per_file = []
+        for uri in uris:  # one reader per file: its position in the input order is a literal column
+            per_file.append(reader.parquet(uri).select("uuid", "license", "category", "reasoning", "messages")
+                            .withColumn("file_index", F.lit(file_index).cast("long")))
+            file_index += 1
+        df = per_file[0]
+        for other in per_file[1:]:
+            df = df.unionByName(other)
         if max_rows:
             df = df.limit(max_rows)
         frames.append(df.withColumn("split", F.lit(split)))
@@ -102,51 +112,50 @@ class Duplicates(NamedTuple):
 
 
 def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Duplicates:
-    """(``row_id``, ``dup_reason``, ``dup_detail``) of every kept-so-far row that is an exact or near duplicate.
-    Runs one Spark job (the near half's count, which also runs pass 1); the exact half is computed with pass 2.
+    """(``row_id``, ``dup_reason``, ``dup_detail``) of every kept-so-far row that is an exact or near duplicate of
+    a row before it in the input order (batches.INPUT_ORDER: the files in order, uuid within a file). Runs one
+    Spark job (the near half's count, which also runs pass 1); the exact half is computed with pass 2.
 
-    Exact: rows with the same key keep the smallest (uuid, row_id) (a window over the key, in Spark). Near, among
-    the exact survivors: rows sharing an LSH band key are candidates, each bucket verified in applyInPandas
-    (estimated Jaccard >= enrich.near_dup_threshold), and the verified pairs are clustered in one Spark task
-    (batches.near_duplicate_drops: connected components, so a chain a~b~c is one cluster even when a and c differ
-    more; each keeps its smallest (uuid, row_id)). Reads only the narrow columns (ids, keys, signatures). Nothing
-    comes to the driver but the two counts.
-
-    One task, not large-star/small-star rounds in Spark: it holds only the verified pairs (~100 bytes each), and
-    each round would be a Spark job of its own (docs/decisions.md, 'Near-duplicate clusters in one Spark task')."""
+    Exact: a row whose key an earlier row has (a window over the key, in Spark); the detail names the first. Near,
+    among the exact survivors: rows sharing an LSH band key are candidates, each bucket verified in applyInPandas
+    (estimated Jaccard >= enrich.near_dup_threshold); the later row of a verified pair is the near duplicate, and
+    its detail names its most similar earlier partner. A row's verdict depends only on the rows before it, so the
+    files processed front to back in parts decide every row as processing them at once does (docs/decisions.md,
+    'Duplicates keep the first row in input order'). Reads only the narrow columns (ids, keys, signatures);
+    nothing comes to the driver but the two counts."""
     threshold = job.enrich.near_dup_threshold
-    ok = prepared.filter(F.col("status") == batches.OK).select("row_id", "uuid", "exact_key", "signature", "band_keys")
-    w = Window.partitionBy("exact_key").orderBy("uuid", "row_id")
+    order = [F.col(c) for c in batches.INPUT_ORDER]
+    ok = prepared.filter(F.col("status") == batches.OK).select(
+        "row_id", "file_index", "uuid", "exact_key", "signature", "band_keys")
+    w = Window.partitionBy("exact_key").orderBy(*order)
     ranked = ok.withColumn("_rank", F.row_number().over(w)).withColumn("_kept_uuid", F.first("uuid").over(w))
     exact = ranked.filter(F.col("_rank") > 1).select(
         "row_id", F.lit(batches.EXACT_DUPLICATE).alias("dup_reason"),
         F.concat(F.lit("duplicate of "), F.col("_kept_uuid"), F.lit(" (same normalized text)")).alias("dup_detail"))
     survivors = ranked.filter(F.col("_rank") == 1)
-    exploded = survivors.select("row_id", "uuid", "signature", F.explode("band_keys").alias("band_key"))
+    exploded = survivors.select("row_id", "file_index", "uuid", "signature",
+                                F.explode("band_keys").alias("band_key"))
     candidates = exploded.withColumn("_n", F.count("*").over(Window.partitionBy("band_key"))).filter(
         F.col("_n") > 1).drop("_n")
     pairs = candidates.groupBy("band_key").applyInPandas(
         lambda pdf: batches.verify_bucket(pdf, threshold), schema=spark_schema(batches.PAIRS),
     ).dropDuplicates(["a_row_id", "b_row_id"])
-    num_pairs, num_drops = spark.sparkContext.accumulator(0), spark.sparkContext.accumulator(0)
-
-    def components(pdf):
-        drops = batches.near_duplicate_drops(pdf)
-        num_pairs.add(len(pdf))
-        num_drops.add(len(drops))
-        return drops
-
-    near = pairs.groupBy(F.lit(0)).applyInPandas(components, schema="row_id long, dup_detail string").select(
-        "row_id", F.lit(batches.NEAR_DUPLICATE).alias("dup_reason"), "dup_detail").persist(StorageLevel.MEMORY_AND_DISK)
+    closest = Window.partitionBy("b_row_id").orderBy(F.desc("jaccard"), "a_uuid", "a_row_id")
+    near = pairs.withColumn("_rank", F.row_number().over(closest)) \
+        .withColumn("_pairs", F.count("*").over(Window.partitionBy("b_row_id"))).filter(F.col("_rank") == 1) \
+        .select(F.col("b_row_id").alias("row_id"), F.lit(batches.NEAR_DUPLICATE).alias("dup_reason"),
+                F.format_string("near-duplicate of %s (estimated Jaccard %.3f)", "a_uuid", "jaccard")
+                .alias("dup_detail"), "_pairs").persist(StorageLevel.MEMORY_AND_DISK)
     # Only the near half here: a job over both halves would run their two shuffles of `prepared` (pruned to
     # different columns, so not one reused exchange) as concurrent stages, each computing pass 1's partitions it
     # finds uncached; pass 2 then reads the exact half's columns from the cache.
-    near.count()
+    counted = near.agg(F.count("*").alias("drops"), F.sum("_pairs").alias("pairs")).collect()[0]
+    num_drops, num_pairs = int(counted["drops"]), int(counted["pairs"] or 0)
     bands, rows = lsh_params(threshold, NUM_PERM)
     log.info("enrich: near-duplicates: %d pairs at estimated Jaccard >= %.2f (LSH %d bands x %d rows), %d rows to "
-             "drop (each cluster keeps its smallest uuid)", num_pairs.value, threshold, bands, rows, num_drops.value)
-    flags = exact.unionByName(near).persist(StorageLevel.MEMORY_AND_DISK)
-    return Duplicates(flags, near, num_pairs.value, num_drops.value)
+             "drop (each the later row of a pair in input order)", num_pairs, threshold, bands, rows, num_drops)
+    flags = exact.unionByName(near.drop("_pairs")).persist(StorageLevel.MEMORY_AND_DISK)
+    return Duplicates(flags, near, num_pairs, num_drops)
 
 
 def with_final_verdict(prepared: DataFrame, flags: DataFrame, ngram: int, columns: Sequence[str]) -> DataFrame:

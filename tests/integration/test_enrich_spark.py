@@ -36,8 +36,11 @@ def out(demo_data, tmp_path_factory):
         assert open(path, "rb").read() == open(run_input, "rb").read(), path
     paths = RunPaths(run_root)
     raw = pa.concat_tables([pq.read_table(p) for p in sample.all_files()]).to_pylist()
+    # the input order duplicates keep their first row in: input.splits in order, each split's files by name, uuid
+    files = [f for split in job.input.splits for f in sorted(sample.split_files[split], key=os.path.basename)]
+    order = {u: (i, u) for i, f in enumerate(files) for u in pq.read_table(f, columns=["uuid"])["uuid"].to_pylist()}
     return SimpleNamespace(
-        job=job, run_root=run_root, enriched_loc=paths.enriched, sample=sample, raw=raw,
+        job=job, run_root=run_root, enriched_loc=paths.enriched, sample=sample, raw=raw, order=order,
         planted=load_planted(sample.out_dir),
         report=json.loads(paths.reports.join("enrich_report.json").read_text()),
         enriched=pq.read_table(paths.enriched.path).to_pylist(),  # pyarrow, not our code, reads Spark's output
@@ -55,11 +58,12 @@ def _reasons(out) -> dict:
 def _mixed_turns(out, measure=lambda text: 1) -> dict:
     """uuid -> ``measure(text)`` summed over the assistant turns with both text and tool calls (v3 cannot hold both),
     found in the raw input, for the rows that pass the tokenization check: not planted for an earlier quarantine
-    reason, not the dropped (larger-uuid) member of a planted duplicate pair, not longer than seq_len. Default: the
+    reason, not the dropped (later in input order) member of a planted duplicate pair, not longer than seq_len. Default: the
     number of turns."""
     p = out.planted
     earlier = {r["uuid"] for kind in ("quarantine", "disallowed_license", "contaminated") for r in p[kind]}
-    earlier |= {max(r["uuid"], r["duplicate_of"]) for kind in ("exact_duplicates", "near_duplicates") for r in p[kind]}
+    earlier |= {max(r["uuid"], r["duplicate_of"], key=out.order.get) for kind in ("exact_duplicates", "near_duplicates")
+                for r in p[kind]}
     earlier |= {q["uuid"] for q in out.quarantine if q["reason"] == "too_many_tokens"}  # longer than seq_len
     mixed = {row["uuid"]: sum(measure(m["content"]) for m in row["messages"] or []
                               if m["role"] == "assistant" and (m["content"] or "").strip() and m["tool_calls"])
@@ -106,10 +110,12 @@ def test_text_with_tool_calls_kept_with_text_dropped_and_counted(out):
 
 
 @pytest.mark.parametrize("kind,reason", [("exact_duplicates", "exact_duplicate"), ("near_duplicates", "near_duplicate")])
-def test_planted_duplicates_caught_keep_smallest_uuid(out, kind, reason):
+def test_planted_duplicates_caught_keep_the_first_in_input_order(out, kind, reason):
     flagged = {q["uuid"]: q["detail"] for q in out.quarantine if q["reason"] == reason}
+    assert any(sorted((p["uuid"], p["duplicate_of"])) != sorted((p["uuid"], p["duplicate_of"]), key=out.order.get)
+               for p in out.planted[kind]), "the sample should plant a pair whose smaller uuid comes later"
     for pair in out.planted[kind]:
-        keep, drop = sorted((pair["uuid"], pair["duplicate_of"]))
+        keep, drop = sorted((pair["uuid"], pair["duplicate_of"]), key=out.order.get)
         assert drop in flagged and keep in flagged[drop], (pair, flagged.get(drop))
         assert keep not in flagged
 

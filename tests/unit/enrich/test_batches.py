@@ -1,9 +1,8 @@
 """The per-batch functions Spark runs (raytrain.enrich.batches), on pandas batches shaped as Spark's Arrow batches are,
-checked against the pure reference functions, networkx, sentence-transformers and mistral-common."""
+checked against the pure reference functions, sentence-transformers and mistral-common."""
 
 import json
 
-import networkx as nx
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -86,7 +85,9 @@ def test_prepare_batch_matches_the_reference_functions(sample_batch):
     assert (out["eval_ngrams"] > 0).sum() >= 2
 
 
-def test_verify_bucket_matches_estimated_jaccard():
+def test_verify_bucket_orders_each_pair_by_input_order():
+    """a is before b in (file_index, uuid, row_id): the file decides before the uuid, and b is the near
+    duplicate."""
     rng = np.random.default_rng(0)
     base = rng.integers(0, 2**32, size=64, dtype=np.uint64).astype(np.uint32)
     sigs = []
@@ -94,55 +95,19 @@ def test_verify_bucket_matches_estimated_jaccard():
         s = base.copy()
         s[:changed] = rng.integers(0, 2**32, size=changed, dtype=np.uint64).astype(np.uint32)
         sigs.append(s)
-    pdf = pd.DataFrame({"row_id": [5, 1, 2, 3, 4], "uuid": ["e", "b", "c", "d", "a"],
+    pdf = pd.DataFrame({"row_id": [5, 1, 2, 3, 4], "file_index": [0, 1, 1, 0, 2], "uuid": ["e", "b", "c", "d", "a"],
                         "signature": [s.tobytes() for s in sigs]})
     got = batches.verify_bucket(pdf, threshold=0.8)
     want = set()
     for i in range(5):
         for j in range(5):
             a, b = pdf.iloc[i], pdf.iloc[j]
-            if (a.uuid, a.row_id) < (b.uuid, b.row_id) and estimated_jaccard(sigs[i], sigs[j]) >= 0.8:
+            if (a.file_index, a.uuid, a.row_id) < (b.file_index, b.uuid, b.row_id) \
+                    and estimated_jaccard(sigs[i], sigs[j]) >= 0.8:
                 want.add((int(a.row_id), a.uuid, int(b.row_id), b.uuid, estimated_jaccard(sigs[i], sigs[j])))
     assert set(map(tuple, got.itertuples(index=False))) == want
     assert len(want) >= 3
-
-
-def _pairs(edges):
-    return pd.DataFrame([(a[1], a[0], b[1], b[0], j) for a, b, j in edges], columns=batches.PAIRS.names)
-
-
-def test_near_duplicate_drops_are_connected_components_minus_smallest():
-    rng = np.random.default_rng(1)
-    ids = [(f"u{rng.integers(0, 10**6):06d}", i) for i in range(60)]
-    edges = [(min(ids[a], ids[b]), max(ids[a], ids[b]), float(rng.uniform(0.8, 1.0)))
-             for a, b in rng.integers(0, 60, size=(45, 2)) if a != b]
-    got = batches.near_duplicate_drops(_pairs(edges))
-    g = nx.Graph()
-    g.add_edges_from((a, b) for a, b, _ in edges)
-    want = {x: min(c) for c in nx.connected_components(g) for x in c if x != min(c)}
-    by_row = {i: u for u, i in ids}
-    assert sorted(got["row_id"]) == sorted(x[1] for x in want)
-    for row_id, detail in zip(got["row_id"], got["dup_detail"], strict=True):
-        x = (by_row[row_id], row_id)
-        partners = [(j, b) for a, b, j in edges if a == x] + [(j, a) for a, b, j in edges if b == x]
-        best = max(j for j, _ in partners)
-        neighbor = min(p for j, p in partners if j == best)  # ties: the smallest partner
-        assert detail == (f"near-duplicate of {want[x][0]} (cluster kept; estimated Jaccard {best:.3f} with "
-                          f"{neighbor[0]})")
-
-
-def test_near_duplicate_chains_and_stars_keep_one_row_each():
-    # a chain a~b~c~d (a and d far apart: only the links make them one cluster) and a star around e, the
-    # smallest uuid of neither cluster a hub; row ids out of order so (uuid, row_id) order decides the kept row
-    chain = [(("a", 9), ("b", 3), 0.9), (("b", 3), ("c", 1), 0.85), (("c", 1), ("d", 7), 0.82)]
-    star = [(("e", 5), ("f", 2), 0.95), (("e", 5), ("g", 8), 0.81), (("e", 5), ("h", 4), 0.88)]
-    got = batches.near_duplicate_drops(_pairs(chain + star))
-    details = dict(zip(got["row_id"], got["dup_detail"], strict=True))
-    assert sorted(details) == [1, 2, 3, 4, 7, 8]  # all but a (9) and e (5): one kept row per cluster
-    assert details[7] == "near-duplicate of a (cluster kept; estimated Jaccard 0.820 with c)"
-    assert details[1] == "near-duplicate of a (cluster kept; estimated Jaccard 0.850 with b)"
-    assert details[8] == "near-duplicate of e (cluster kept; estimated Jaccard 0.810 with e)"
-    assert batches.near_duplicate_drops(_pairs([])).empty
+    assert ("a", "e") not in {(r.a_uuid, r.b_uuid) for r in got.itertuples()}  # a is in a later file than e
 
 
 def _select(batch, **kw):

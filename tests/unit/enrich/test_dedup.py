@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from near_dedup_reference import near_duplicate_clusters, near_duplicate_groups
+from near_dedup_reference import near_duplicate_groups, near_duplicates_in_order
 
 from raytrain.enrich.dedup import (
     exact_key,
@@ -101,11 +101,11 @@ def test_lsh_params_fit_and_favour_recall():
     assert 1 - (1 - 0.9**r) ** b > 0.99  # pairs at Jaccard 0.9 nearly always become candidates
 
 
-def test_near_duplicate_clusters_keep_smallest_id():
+def test_near_duplicates_in_order_drop_every_later_row_of_a_pair():
     rng = random.Random(3)
     base = [_text(rng, 120) for _ in range(6)]
     texts, ids = list(base), list(range(10, 16))
-    for k, (src, new_id) in enumerate([(0, 3), (0, 20), (2, 30)]):  # id 3 < 10: the twin is kept, not the base
+    for k, (src, new_id) in enumerate([(0, 3), (0, 20), (2, 30)]):  # id 3 comes after 10 in input order
         words = texts[src].split()
         words[rng.randrange(len(words))] = f"changed{k}"
         texts.append(" ".join(words))
@@ -116,9 +116,9 @@ def test_near_duplicate_clusters_keep_smallest_id():
     # every pair in a group really is similar, every other pair really is not
     by_id = dict(zip(ids, texts, strict=True))
     assert all(_jaccard(by_id[g[0]], by_id[x]) > 0.8 for g in groups for x in g[1:])
-    assert near_duplicate_clusters(ids, sigs, 0.8) == [10, 20, 30]
+    assert near_duplicates_in_order(ids, sigs, 0.8) == [3, 20, 30]  # the first in input order stays, not the smallest
     with pytest.raises(RaytrainError, match="unique"):
-        near_duplicate_clusters([1, 1], sigs[:2], 0.8)
+        near_duplicates_in_order([1, 1], sigs[:2], 0.8)
 
 
 def test_candidates_are_verified_not_just_bucketed():
@@ -126,5 +126,5 @@ def test_candidates_are_verified_not_just_bucketed():
     a = np.arange(128, dtype=np.uint32)
     b = a + 1000
     b[:8] = a[:8]
-    assert near_duplicate_clusters(["a", "b"], np.stack([a, b]), 0.8, bands=16, rows=8) == []
-    assert near_duplicate_clusters(["a", "b"], np.stack([a, a]), 0.8, bands=16, rows=8) == ["b"]
+    assert near_duplicates_in_order(["a", "b"], np.stack([a, b]), 0.8, bands=16, rows=8) == []
+    assert near_duplicates_in_order(["a", "b"], np.stack([a, a]), 0.8, bands=16, rows=8) == ["b"]
