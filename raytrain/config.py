@@ -172,6 +172,10 @@ class EnrichConfig:
     """Eval files (JSONL/Parquet/text) to decontaminate against; 'sample' uses the sample dataset's eval set."""
     decontam_ngram: int = 13
     """n-gram length for decontamination overlap."""
+    wave_rows: int = 0
+    """Enrich the input in waves of whole files, each closed at >= this many rows, front to back: each wave is
+    written and committed on its own, and an interrupted enrichment redoes only the wave it was in. Every row gets
+    the verdict it gets in one wave (raytrain.enrich.waves). 0 (default): the whole input in one wave."""
     pair_context: bool = False
     """Preference pairs (train.objective=dpo): put the relevance selection's sentences into the prompt as for the
     fine-tune (top_k, min_score, question_weight, system_prompt, answer_text), the last user turn as the question
@@ -203,6 +207,7 @@ class EnrichConfig:
         _require(0 < self.executor_ray_cpus <= self.executor_cores, "enrich.executor_ray_cpus",
                  "must be in (0, enrich.executor_cores]")
         _require(self.num_partitions >= 1, "enrich.num_partitions", "must be >= 1")
+        _require(self.wave_rows >= 0, "enrich.wave_rows", "must be >= 0 (0 = the whole input in one wave)")
         _require(self.top_k >= 1, "enrich.top_k", "must be >= 1")
         _require(-1.0 <= self.min_score <= 1.0, "enrich.min_score", "must be in [-1, 1] (a cosine similarity)")
         _require(_JVM_MEMORY_RE.fullmatch(self.executor_memory) is not None, "enrich.executor_memory",
@@ -529,6 +534,12 @@ class JobConfig:
                  "or set enrich.context_corpus to []")
         _require(not dpo_corpus or "sample" not in self.enrich.context_corpus, "enrich.context_corpus",
                  "'sample' is the fine-tune sample's corpus; the preference sample has none: name corpus files")
+        _require(not self.enrich.wave_rows or self.train.objective == "sft", "enrich.wave_rows",
+                 "waves apply to the fine-tune's enrichment; preference pairs (train.objective=dpo) are enriched in "
+                 "one wave: set it to 0")
+        _require(not self.enrich.wave_rows or not self.input.max_rows, "enrich.wave_rows",
+                 "cannot be combined with input.max_rows (which rows a split keeps would depend on the waves): set "
+                 "one of them to 0")
         _require(self.train.objective == "dpo" or not self.enrich.pair_context, "enrich.pair_context",
                  "selects context for preference pairs only (train.objective=dpo); the fine-tune's rows always get "
                  "it: remove the setting")
@@ -571,8 +582,9 @@ class JobConfig:
         legacy["input_path"] = legacy.pop("path")
         if self.train.objective != "sft":  # preference pairs are other data from the same input settings
             sections["objective"] = self.train.objective
-        if not self.enrich.pair_context:  # hashed only when on: the hashes of runs made before it stay
-            sections["enrich"] = {k: v for k, v in sections["enrich"].items() if k != "pair_context"}
+        for name in ("pair_context", "wave_rows"):  # hashed only when set: the hashes of runs made before stay
+            if not getattr(self.enrich, name):
+                sections["enrich"] = {k: v for k, v in sections["enrich"].items() if k != name}
         return _short_hash({"data": legacy, **sections})
 
 

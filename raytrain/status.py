@@ -169,6 +169,7 @@ def run_summary_lines(run_uri: str) -> list[str]:
     else:
         lines.append("  checkpoints  none")
 
+    lines += _waves_lines(rdir)
     report = _read_json(RunPaths(rdir).reports.join("enrich_report.json"))
     if report:
         reasons = ", ".join(f"{k} {v}" for k, v in (report.get("quarantined") or {}).items()) or "none"
@@ -193,6 +194,17 @@ def run_summary_lines(run_uri: str) -> list[str]:
             lines.append(f"  logs         {logs.join(names[-1]).uri}" + (f" (+{len(names) - 1} older)"
                                                                          if len(names) > 1 else ""))
     return lines
+
+
+def _waves_lines(rdir: StorageLocation) -> list[str]:
+    """The committed waves of a streamed enrichment (raytrain.enrich.waves), while it runs and after."""
+    folder = RunPaths(rdir).waves
+    records = [r for r in (_read_json(folder.join(n)) for n in folder.listdir()
+                           if n.startswith("wave-") and n.endswith(".json")) if r]
+    if not records:
+        return []
+    return [f"  waves        {len(records)} enriched and committed: {sum(r['rows_in'] for r in records)} rows in -> "
+            f"{sum(r['kept'] for r in records)} kept, {sum(r['quarantined'] for r in records)} quarantined"]
 
 
 def print_run_summary(run_uri: str) -> None:

@@ -348,12 +348,28 @@ class RunPaths:
         return self.data.join("corpus")
 
     @property
+    def waves(self) -> StorageLocation:
+        """A streamed enrichment's wave records and dedup state (raytrain.enrich.waves)."""
+        return self.data.join("waves")
+
+    @property
     def packed(self) -> StorageLocation:
         return self.data.join("packed")
 
     @property
     def exports(self) -> StorageLocation:
         return self.root.join("exports")
+
+
+def parquet_names(folder: StorageLocation) -> list[str]:
+    """The Parquet files of a folder Spark wrote, as paths relative to it in read order: its own files, or those
+    of its ``wave-NNNNN`` subfolders wave by wave (a streamed enrichment), each in name order."""
+    def ours(name: str) -> bool:
+        parts = name.split("/")
+        return name.endswith(".parquet") and not parts[-1].startswith(("_", ".")) and (
+            len(parts) == 1 or (len(parts) == 2 and parts[0].startswith("wave-")))
+
+    return sorted(n for n in folder.list_files() if ours(n))
 
 
 def run_root(root: StorageLocation, user: str, project: str, run: str) -> StorageLocation:

@@ -31,7 +31,7 @@ from raytrain.dataset.pack import TOKENIZED_COLUMNS, pack_batch, tokenize_frame
 from raytrain.dataset.pack_reader import PackReader
 from raytrain.dataset.pair_pack import MAX_PAIRS_PER_PACK, PAIR_TOKEN_COLUMNS, pair_pack_batch
 from raytrain.errors import RaytrainError
-from raytrain.storage import MANIFEST, StorageLocation
+from raytrain.storage import MANIFEST, StorageLocation, parquet_names
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def validation_fraction(cfg: DatasetConfig, num_rows: int) -> float:
 
 
 def _parquet_files(loc: StorageLocation) -> list[str]:
-    return sorted(loc.join(n).path for n in loc.listdir() if n.endswith(".parquet"))
+    """Filesystem paths of the folder's Parquet files in read order (storage.parquet_names: wave by wave)."""
+    return [loc.join(n).path for n in parquet_names(loc)]
 
 
 def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:

@@ -10,6 +10,7 @@ and an optional document corpus, across four layers; read them bottom up:
    and ``corpus_batches`` (split, embed, retrieve).
 3. Spark wiring: ``passes`` (the DataFrame passes over the rows), ``row_guard`` (rows refused in the JVM),
    ``corpus_table`` (the corpus's sentence table), ``spark`` (the RayDP session) and ``jars`` (s3a).
-4. The job: ``inputs`` and ``plan`` (what it reads, checked before Spark starts), ``job`` (the sequence of passes)
-   and ``report`` (the counts: every row leaves kept or quarantined, once).
+4. The job: ``inputs`` and ``plan`` (what it reads, checked before Spark starts), ``waves`` (the input cut into
+   parts done front to back), ``job`` (the sequence of passes, wave by wave) and ``report`` (the counts: every row
+   leaves kept or quarantined, once).
 """

@@ -162,8 +162,9 @@ def fill_dedup_columns(out: dict[str, list], texts: list[str], *, num_perm: int,
             matched[j]
 
 
-PAIRS = pa.schema([("a_row_id", pa.int64()), ("a_uuid", pa.string()), ("b_row_id", pa.int64()),
-                   ("b_uuid", pa.string()), ("jaccard", pa.float64())])
+PAIRS = pa.schema([("a_row_id", pa.int64()), ("a_file_index", pa.int64()), ("a_uuid", pa.string()),
+                   ("b_row_id", pa.int64()), ("b_file_index", pa.int64()), ("b_uuid", pa.string()),
+                   ("jaccard", pa.float64())])
 """``verify_bucket``'s output: a near-duplicate pair, a before b in ``INPUT_ORDER``: b is the near duplicate."""
 
 
@@ -173,9 +174,10 @@ def verify_bucket(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
     pdf = pdf.sort_values(list(INPUT_ORDER), kind="stable").reset_index(drop=True)
     sigs = np.stack([np.frombuffer(s, dtype=np.uint32) for s in pdf["signature"]]) if len(pdf) \
         else np.zeros((0, 1), dtype=np.uint32)  # (M, P)
-    row_ids, uuids = pdf["row_id"].astype(np.int64).tolist(), pdf["uuid"].tolist()
-    return pd.DataFrame([(row_ids[i], uuids[i], row_ids[j], uuids[j], jaccard)
-                         for i, j, jaccard in verified_pairs(sigs, threshold)], columns=list(PAIRS.names))
+    ids = list(zip(pdf["row_id"].astype(np.int64).tolist(), pdf["file_index"].astype(np.int64).tolist(),
+                   pdf["uuid"].tolist(), strict=True))
+    return pd.DataFrame([(*ids[i], *ids[j], jaccard) for i, j, jaccard in verified_pairs(sigs, threshold)],
+                        columns=list(PAIRS.names))
 
 
 # ---- relevance selection -----------------------------------------------------------------------------------------

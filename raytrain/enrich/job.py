@@ -17,6 +17,10 @@ spark.sql.autoBroadcastJoinThreshold); no global sort. Outputs, under the run's 
   ``answer_scores``), the token ids and loss mask (``input_ids``, ``loss_mask``: packing never tokenizes again),
   ``num_tokens`` and the training conversation ``messages_json``.
 - ``data/quarantine/part-*.parquet``: ``uuid, split, category, reason, detail`` for every row not kept.
+- With ``enrich.wave_rows`` the input goes through in waves of whole files (raytrain.enrich.waves): each wave's
+  files under ``wave-NNNNN/`` of both folders, its dedup state and statistics table under ``data/waves/``, and its
+  commit record ``data/waves/wave-NNNNN.json`` written last; the statistics and the checks below then run over all
+  waves.
 - ``data/enriched/_manifest.json``, written last: row counts, files, the config hash, the eval sets' sha256.
 - ``reports/enrich_summary.txt`` here, ``reports/enrich_report.json`` by the runner (the report dict).
 
@@ -41,7 +45,8 @@ from raytrain.enrich.conversation import QUARANTINE_REASONS
 from raytrain.enrich.decontam import build_sorted_index
 from raytrain.enrich.plan import EnrichPlan, EvalSets, plan_enrichment
 from raytrain.enrich.report import STEP_REASONS_AFTER_DERIVE, Tally, build_report, step_counts, summary_text
-from raytrain.storage import MANIFEST, RunPaths, StorageLocation
+from raytrain.enrich.waves import Wave, commit_record, committed, input_files, plan_waves
+from raytrain.storage import MANIFEST, RunPaths, StorageLocation, parquet_names
 from raytrain.telemetry import record_enrich_step, record_quarantine
 
 log = logging.getLogger(__name__)
@@ -61,15 +66,13 @@ class EnrichResult:
 
 def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
                       eval_sets: tuple[str, ...] | None = None, plan: EnrichPlan | None = None) -> EnrichResult:
-    """The whole enrichment inside an open Spark session (spark.spark_session); see the module docstring.
+    """The whole enrichment inside an open Spark session (spark.spark_session); see the module docstring. The
+    input goes through in one wave, or wave by wave with enrich.wave_rows (raytrain.enrich.waves).
 
     ``plan`` is what ``plan_enrichment(job, input_root, eval_sets)`` returns (computed here when None). Raises
     RaytrainError for bad inputs, AssertionError when rows go missing (a bug).
     """
     from pyspark.sql import functions as F
-
-    from raytrain.enrich import passes
-    from raytrain.enrich.spark import spark_uri
 
     t_start = time.perf_counter()
     cfg = job.enrich
@@ -80,51 +83,138 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
              sum(len(v) for v in plan.inputs.files.values()),
              ", ".join(f"{k}={v}" for k, v in plan.rows_per_split.items()), len(plan.evals.texts),
              len(plan.eval_index), cfg.decontam_ngram, len(plan.evals.sources))
-    enriched, quarantine = RunPaths(run_root).enriched, RunPaths(run_root).quarantine
+    paths = RunPaths(run_root)
     sc = spark.sparkContext
-    eval_array = sc.broadcast(build_sorted_index(plan.eval_index))
     pass_seconds: dict[str, float] = {}
-
-    t0 = time.perf_counter()
-    raw = passes.read_inputs(spark, {k: [spark_uri(loc) for loc in v] for k, v in plan.inputs.files.items()},
-                            job.input.max_rows, {k: v["schema"] for k, v in plan.footers.items()})
-    prepared = passes.prepare(raw, eval_array, job)
-    dups = passes.duplicates(spark, prepared, job)  # its one Spark job runs pass 1
-    pass_seconds["prepare_and_dedup"] = time.perf_counter() - t0
-    log.info("enrich: pass 1 (derive, license, dedup keys, eval n-grams) and near-dup clustering (LSH buckets, "
-             "components) over %d rows (%.1fs)", plan.rows_in, pass_seconds["prepare_and_dedup"])
-
     corpus, shipped = corpus_table(spark, job, plan.corpus_files, plan.eval_index, run_root, pass_seconds)
-
+    ctx = _Enrichment(spark, job, plan, sc.broadcast(build_sorted_index(plan.eval_index)), shipped,
+                      sc.accumulator(0.0), pass_seconds)
+    waves = plan_waves(input_files(plan.inputs.files, {k: v["file_rows"] for k, v in plan.footers.items()}),
+                       cfg.wave_rows)
+    records: list[dict[str, Any]] = []
+    if len(waves) == 1:
+        finished = ctx.enrich(waves[0], paths.enriched, paths.quarantine)
+        stats, kept = finished, finished.filter(F.col("status") == OK)
+    else:
+        stats, kept, records = _enrich_waves(ctx, waves, paths)
     t0 = time.perf_counter()
-    retrieve_seconds = sc.accumulator(0.0)
-    finished = passes.finish(prepared, dups.flags, job, corpus=shipped, eval_index=eval_array,
-                            retrieve_seconds=retrieve_seconds)
-    finished.filter(F.col("status") == OK).select(*passes.enriched_columns(bool(corpus))) \
-        .write.mode("overwrite").parquet(spark_uri(enriched))
-    prepared.unpersist()
-    dups.unpersist()
-    pass_seconds["finish"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    passes.quarantined(finished).write.mode("overwrite").parquet(spark_uri(quarantine))
-    pass_seconds["write_quarantine"] = time.perf_counter() - t0
-    log.info("enrich: pass 2 (selection%s, tokenization) wrote %s (%.1fs) and %s (%.1fs)",
-             ", corpus context" if corpus else "", enriched.uri, pass_seconds["finish"], quarantine.uri,
-             pass_seconds["write_quarantine"])
-
-    t0 = time.perf_counter()
-    tally = _tally(finished, job, plan, enriched, quarantine)
+    tally = _tally(stats, job, plan, paths.enriched, paths.quarantine)
     if corpus:
-        corpus.update(_corpus_statistics(finished, shipped.value, cfg, retrieve_seconds.value))
+        corpus.update(_corpus_statistics(stats, kept, shipped.value, cfg, ctx.retrieve_seconds.value))
     pass_seconds["statistics"] = time.perf_counter() - t0
     log.info("enrich: report statistics computed (%.1fs)", pass_seconds["statistics"])
     for name, took in pass_seconds.items():
         record_enrich_step(job.storage.run_name, name, plan.rows_in, took)  # dashboard: rows/s per pass
-    report = build_report(job, plan, tally, pass_seconds, corpus, run_root=run_root, enriched=enriched,
-                          quarantine=quarantine, seconds=time.perf_counter() - t_start)
-    _commit(job, plan, tally, report, enriched, quarantine, run_root)
-    finished.unpersist()
-    return EnrichResult(enriched=enriched, quarantine=quarantine, report=report, evals=plan.evals)
+    report = build_report(job, plan, tally, pass_seconds, corpus, run_root=run_root, enriched=paths.enriched,
+                          quarantine=paths.quarantine, seconds=time.perf_counter() - t_start)
+    if records:
+        report["waves"] = records
+    _commit(job, plan, tally, report, paths.enriched, paths.quarantine, run_root)
+    if len(waves) == 1:
+        finished.unpersist()
+    return EnrichResult(enriched=paths.enriched, quarantine=paths.quarantine, report=report, evals=plan.evals)
+
+
+@dataclass
+class _Enrichment:
+    """What every wave of one enrichment shares: the session, the plan, the broadcast eval n-grams and corpus
+    index, the corpus retrieval's seconds (a Spark accumulator) and the passes' seconds, summed over the waves."""
+
+    spark: Any
+    job: JobConfig
+    plan: EnrichPlan
+    eval_array: Any
+    corpus: Any
+    retrieve_seconds: Any
+    pass_seconds: dict[str, float]
+
+    def enrich(self, wave: Wave, enriched: StorageLocation, quarantine: StorageLocation, prior=None,
+               state: StorageLocation | None = None):
+        """Pass 1, dedup (against ``prior``, the earlier waves' dedup state), pass 2 over the wave's files; writes
+        the enriched and quarantined rows (and with ``state`` the wave's own dedup state); returns the finished
+        rows, persisted."""
+        from pyspark.sql import functions as F
+
+        from raytrain.enrich import passes
+        from raytrain.enrich.spark import spark_uri
+
+        job, seconds, first = self.job, self.pass_seconds, wave.files[0].index
+        rows = wave.rows if job.enrich.wave_rows else self.plan.rows_in  # one wave: input.max_rows applied
+        t0 = time.perf_counter()
+        files = {split: [spark_uri(f.loc) for f in split_files] for split, split_files in wave.files_by_split().items()}
+        schemas = {split: footers["schema"] for split, footers in self.plan.footers.items()}
+        raw = passes.read_inputs(self.spark, files, job.input.max_rows, schemas, first_file=first)
+        prepared = passes.prepare(raw, self.eval_array, job)
+        dups = passes.duplicates(self.spark, prepared, job, prior=prior, first_file=first)
+        if state is not None:
+            dups.survivors.write.mode("overwrite").parquet(spark_uri(state))
+        _add(seconds, "prepare_and_dedup", time.perf_counter() - t0)
+        log.info("enrich: pass 1 (derive, license, dedup keys, eval n-grams) and near-dup verdicts over %d rows "
+                 "(%.1fs)", rows, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        finished = passes.finish(prepared, dups.flags, job, corpus=self.corpus, eval_index=self.eval_array,
+                                 retrieve_seconds=self.retrieve_seconds)
+        finished.filter(F.col("status") == OK).select(*passes.enriched_columns(self.corpus is not None)) \
+            .write.mode("overwrite").parquet(spark_uri(enriched))
+        prepared.unpersist()
+        dups.unpersist()
+        _add(seconds, "finish", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        passes.quarantined(finished).write.mode("overwrite").parquet(spark_uri(quarantine))
+        _add(seconds, "write_quarantine", time.perf_counter() - t1)
+        log.info("enrich: pass 2 (selection%s, tokenization) wrote %s and %s (%.1fs)",
+                 ", corpus context" if self.corpus else "", enriched.uri, quarantine.uri, time.perf_counter() - t0)
+        return finished
+
+
+def _add(seconds: dict[str, float], name: str, took: float) -> None:
+    seconds[name] = seconds.get(name, 0.0) + took
+
+
+STATS_LEFT_OUT = ("context", "question", "answer", "messages_json", "input_ids", "loss_mask")
+"""Columns of the finished rows a wave's statistics table leaves out: the report's rollups read none of them."""
+
+
+def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths):
+    """Every wave not committed yet, in order: enriched and quarantined rows under ``wave-NNNNN/`` of the run's
+    enriched/ and quarantine/ folders, the wave's dedup state and statistics table under data/waves/, then its
+    commit record (last). A wave left half-written by an interrupted run is cleared and done again. Returns (the
+    statistics of every wave's rows, every wave's kept rows, the commit records)."""
+    from raytrain.enrich.spark import spark_uri
+
+    folder, data_hash = paths.waves, ctx.job.data_hash()
+    records: list[dict[str, Any]] = []
+    for wave in waves:
+        record = committed(folder, wave, data_hash)
+        if record is not None:
+            log.info("enrich: wave %d/%d committed already (%d rows in -> %d kept)", wave.index + 1, len(waves),
+                     record["rows_in"], record["kept"])
+            records.append(record)
+            continue
+        t0 = time.perf_counter()
+        outputs = [paths.enriched.join(wave.name), paths.quarantine.join(wave.name), folder.join("dedup", wave.name),
+                   folder.join("stats", wave.name)]
+        for loc in outputs:
+            loc.delete_dir()
+        before = [spark_uri(folder.join("dedup", w.name)) for w in waves[:wave.index]]
+        prior = ctx.spark.read.parquet(*before) if before else None
+        finished = ctx.enrich(wave, outputs[0], outputs[1], prior=prior, state=outputs[2])
+        finished.drop(*STATS_LEFT_OUT).write.mode("overwrite").parquet(spark_uri(outputs[3]))
+        finished.unpersist()
+        kept, quarantined = footer_rows(outputs[0])[1], footer_rows(outputs[1])[1]
+        if kept + quarantined != wave.rows:
+            raise AssertionError(f"enrich: wave {wave.index}: {wave.rows} rows in but {kept} written + "
+                                 f"{quarantined} quarantined; rows went missing (a bug)")
+        record = {"wave": wave.index, "files": wave.identity(), "data_hash": data_hash, "rows_in": wave.rows,
+                  "kept": kept, "quarantined": quarantined, "seconds": round(time.perf_counter() - t0, 2),
+                  "committed_unix_s": round(time.time(), 3)}
+        commit_record(folder, wave).write_atomic(json.dumps(record, sort_keys=True))
+        log.info("enrich: wave %d/%d committed: %d files, %d rows in -> %d kept, %d quarantined (%.1fs)",
+                 wave.index + 1, len(waves), len(wave.files), wave.rows, kept, quarantined, record["seconds"])
+        records.append(record)
+    stats = ctx.spark.read.parquet(*[spark_uri(folder.join("stats", w.name)) for w in waves])
+    kept = ctx.spark.read.parquet(*[spark_uri(paths.enriched.join(w.name)) for w in waves])
+    return stats, kept, records
 
 
 def corpus_table(spark, job: JobConfig, corpus_files: list[Any] | None, eval_index: set[int],
@@ -147,15 +237,13 @@ def corpus_table(spark, job: JobConfig, corpus_files: list[Any] | None, eval_ind
     return corpus, spark.sparkContext.broadcast(index)
 
 
-def _corpus_statistics(finished, index, cfg, retrieve_seconds: float) -> dict[str, Any]:
+def _corpus_statistics(finished, kept, index, cfg, retrieve_seconds: float) -> dict[str, Any]:
     """Retrieval time (task seconds summed over the workers: a retried task counts twice), the approximate
-    search's recall against exact search, the most-used documents."""
-    from pyspark.sql import functions as F
-
+    search's recall against exact search (on ``kept``, the kept rows with their texts), the most-used documents."""
     from raytrain.enrich import passes
     from raytrain.enrich.corpus_table import ann_recall
 
-    recall = ann_recall(finished.filter(F.col("status") == OK), index, cfg) if index.ann is not None else None
+    recall = ann_recall(kept, index, cfg) if index.ann is not None else None
     return {"retrieve_seconds": round(retrieve_seconds, 2), "recall": recall,
             "top_documents": passes.top_documents(finished)}
 
@@ -219,8 +307,9 @@ def _commit(job: JobConfig, plan: EnrichPlan, tally: Tally, report: dict[str, An
 
 
 def footer_rows(loc: StorageLocation) -> tuple[list[str], int]:
-    """(sorted Parquet file names, total rows from their footers) of a flat folder."""
-    names = sorted(n for n in loc.listdir() if n.endswith(".parquet"))
+    """(Parquet file names in read order, total rows from their footers) of a folder Spark wrote (wave by wave in
+    a streamed enrichment: storage.parquet_names)."""
+    names = parquet_names(loc)
     rows = 0
     for n in names:
         with loc.filesystem.open_input_file(loc.join(n).path) as f:

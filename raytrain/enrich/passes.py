@@ -48,15 +48,15 @@ def spark_schema(schema: pa.Schema) -> T.StructType:
 
 
 def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
-                schemas: dict[str, pa.Schema | None] | None = None) -> DataFrame:
+                schemas: dict[str, pa.Schema | None] | None = None, first_file: int = 0) -> DataFrame:
     """Raw Nemotron rows of every split (``split`` column added; at most ``max_rows`` per split when > 0), with a
     ``row_id`` unique per row, assigned before any shuffle so it is stable for the life of the job, and the
     ``file_index`` of the row's file in the input order (the splits in ``files``' order, each split's files in
-    theirs): the order in which duplicates keep their first row. ``schemas``: each split's files' pyarrow schema,
-    read from their footers already (inputs.validate_inputs); given, Spark reads with it instead of running a job to
-    infer it."""
+    theirs, counted from ``first_file``: a wave's first file): the order in which duplicates keep their first row.
+    ``schemas``: each split's files' pyarrow schema, read from their footers already (inputs.validate_inputs);
+    given, Spark reads with it instead of running a job to infer it."""
     frames = []
-    file_index = 0
+    file_index = first_file
     for split, uris in files.items():
         reader = spark.read
         schema = (schemas or {}).get(split)
@@ -103,6 +103,7 @@ def prepare(raw: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
 class Duplicates(NamedTuple):
     flags: DataFrame  # (row_id, dup_reason, dup_detail), persisted; its near half is computed, the exact half not
     near: DataFrame  # the near half, persisted and computed
+    survivors: DataFrame  # DEDUP_STATE columns of the rows no earlier row has the exact key of
     pairs: int  # verified near-duplicate pairs
     near_drops: int  # rows dropped as near duplicates
 
@@ -111,7 +112,12 @@ class Duplicates(NamedTuple):
         self.near.unpersist()
 
 
-def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Duplicates:
+DEDUP_STATE = ("row_id", "file_index", "uuid", "exact_key", "signature", "band_keys")
+"""What a wave leaves for the waves after it (waves.py): its exact survivors' keys, signatures and band keys."""
+
+
+def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig, prior: DataFrame | None = None,
+               first_file: int = 0) -> Duplicates:
     """(``row_id``, ``dup_reason``, ``dup_detail``) of every kept-so-far row that is an exact or near duplicate of
     a row before it in the input order (batches.INPUT_ORDER: the files in order, uuid within a file). Runs one
     Spark job (the near half's count, which also runs pass 1); the exact half is computed with pass 2.
@@ -120,27 +126,39 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Dupl
     among the exact survivors: rows sharing an LSH band key are candidates, each bucket verified in applyInPandas
     (estimated Jaccard >= enrich.near_dup_threshold); the later row of a verified pair is the near duplicate, and
     its detail names its most similar earlier partner. A row's verdict depends only on the rows before it, so the
-    files processed front to back in parts decide every row as processing them at once does (docs/decisions.md,
-    'Duplicates keep the first row in input order'). Reads only the narrow columns (ids, keys, signatures);
-    nothing comes to the driver but the two counts."""
+    files processed front to back in waves decide every row as processing them at once does (docs/decisions.md,
+    'Duplicates keep the first row in input order'): ``prior`` holds the earlier waves' exact survivors
+    (DEDUP_STATE columns, all in files before ``first_file``, the wave's first file). Reads only the narrow
+    columns (ids, keys, signatures); nothing comes to the driver but the two counts."""
     threshold = job.enrich.near_dup_threshold
     order = [F.col(c) for c in batches.INPUT_ORDER]
-    ok = prepared.filter(F.col("status") == batches.OK).select(
-        "row_id", "file_index", "uuid", "exact_key", "signature", "band_keys")
+    ok = prepared.filter(F.col("status") == batches.OK).select(*DEDUP_STATE)
+    if prior is not None:  # a key an earlier wave has: the duplicate of that wave's first row with it
+        ok = ok.join(prior.select("exact_key", F.col("uuid").alias("_prior_uuid")), "exact_key", "left")
+    else:
+        ok = ok.withColumn("_prior_uuid", F.lit(None).cast("string"))
     w = Window.partitionBy("exact_key").orderBy(*order)
-    ranked = ok.withColumn("_rank", F.row_number().over(w)).withColumn("_kept_uuid", F.first("uuid").over(w))
-    exact = ranked.filter(F.col("_rank") > 1).select(
+    ranked = ok.withColumn("_rank", F.row_number().over(w)) \
+        .withColumn("_kept_uuid", F.coalesce("_prior_uuid", F.first("uuid").over(w)))
+    is_copy = (F.col("_rank") > 1) | F.col("_prior_uuid").isNotNull()
+    exact = ranked.filter(is_copy).select(
         "row_id", F.lit(batches.EXACT_DUPLICATE).alias("dup_reason"),
         F.concat(F.lit("duplicate of "), F.col("_kept_uuid"), F.lit(" (same normalized text)")).alias("dup_detail"))
-    survivors = ranked.filter(F.col("_rank") == 1)
-    exploded = survivors.select("row_id", "file_index", "uuid", "signature",
-                                F.explode("band_keys").alias("band_key"))
-    candidates = exploded.withColumn("_n", F.count("*").over(Window.partitionBy("band_key"))).filter(
-        F.col("_n") > 1).drop("_n")
+    survivors = ranked.filter(~is_copy).select(*DEDUP_STATE)
+    candidates = survivors.withColumn("_current", F.lit(True))
+    if prior is not None:
+        candidates = candidates.unionByName(prior.select(*DEDUP_STATE).withColumn("_current", F.lit(False)))
+    exploded = candidates.select("row_id", "file_index", "uuid", "signature", "_current",
+                                 F.explode("band_keys").alias("band_key"))
+    bucket = Window.partitionBy("band_key")
+    candidates = exploded.withColumn("_n", F.count("*").over(bucket)) \
+        .withColumn("_new", F.max(F.col("_current").cast("int")).over(bucket)) \
+        .filter((F.col("_n") > 1) & (F.col("_new") == 1)).drop("_n", "_new", "_current")
     pairs = candidates.groupBy("band_key").applyInPandas(
         lambda pdf: batches.verify_bucket(pdf, threshold), schema=spark_schema(batches.PAIRS),
-    ).dropDuplicates(["a_row_id", "b_row_id"])
-    closest = Window.partitionBy("b_row_id").orderBy(F.desc("jaccard"), "a_uuid", "a_row_id")
+    ).filter(F.col("b_file_index") >= first_file) \
+        .dropDuplicates(["a_file_index", "a_row_id", "b_row_id"])  # a row id is unique within one wave's files
+    closest = Window.partitionBy("b_row_id").orderBy(F.desc("jaccard"), "a_file_index", "a_uuid", "a_row_id")
     near = pairs.withColumn("_rank", F.row_number().over(closest)) \
         .withColumn("_pairs", F.count("*").over(Window.partitionBy("b_row_id"))).filter(F.col("_rank") == 1) \
         .select(F.col("b_row_id").alias("row_id"), F.lit(batches.NEAR_DUPLICATE).alias("dup_reason"),
@@ -155,7 +173,7 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig) -> Dupl
     log.info("enrich: near-duplicates: %d pairs at estimated Jaccard >= %.2f (LSH %d bands x %d rows), %d rows to "
              "drop (each the later row of a pair in input order)", num_pairs, threshold, bands, rows, num_drops)
     flags = exact.unionByName(near.drop("_pairs")).persist(StorageLevel.MEMORY_AND_DISK)
-    return Duplicates(flags, near, num_pairs, num_drops)
+    return Duplicates(flags, near, survivors, num_pairs, num_drops)
 
 
 def with_final_verdict(prepared: DataFrame, flags: DataFrame, ngram: int, columns: Sequence[str]) -> DataFrame:

@@ -585,3 +585,90 @@ def test_pairs_pack_with_ray_data_never_split_and_validation_apart(pairs, tmp_pa
         assert sorted(seen) == sorted(expected)  # every pair of the split once, no other
         assert data.num_real_tokens == sum(by_id[u]["num_tokens"] for u in expected)
         assert (manifest if split == "train" else manifest["validation"])["pairs"] == len(expected)
+
+
+# ---- waves (enrich.wave_rows): the input front to back, one wave per file ------------------------------------------
+@pytest.fixture(scope="module")
+def streamed(out, spark, tmp_path_factory):
+    """The demo's enrichment again with enrich.wave_rows=30, in the module's Spark session: the sample's files hold
+    32 or 64 rows, so every file is a wave of its own (7 waves)."""
+    import dataclasses
+
+    job = dataclasses.replace(out.job, enrich=dataclasses.replace(out.job.enrich, wave_rows=30))
+    run_root = resolve(str(tmp_path_factory.mktemp("streamed") / "run"))
+    result = enrich_in_session(spark, job, resolve(out.sample.out_dir), run_root, eval_sets=(out.sample.eval_path,))
+    return SimpleNamespace(job=job, run_root=run_root, result=result,
+                           enriched=pq.read_table(result.enriched.path).to_pylist(),
+                           quarantine=pq.read_table(result.quarantine.path).to_pylist())
+
+
+def _assert_close(got, want, path="") -> None:
+    """Equal trees, floats to 1e-5."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), path
+        for k in want:
+            _assert_close(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-5), path
+    else:
+        assert got == want, path
+
+
+def _verdicts(rows) -> list[tuple]:
+    return sorted((q["uuid"] or "", q["reason"], q["detail"]) for q in rows)
+
+
+def test_waves_keep_quarantine_and_tokenize_exactly_as_one_wave(out, streamed):
+    waves = streamed.result.report["waves"]
+    assert [w["wave"] for w in waves] == list(range(7)) and [len(w["files"]) for w in waves] == [1] * 7
+    assert sum(w["rows_in"] for w in waves) == out.report["rows_in"] == len(out.raw)
+    assert sum(w["kept"] for w in waves) == len(streamed.enriched) == len(out.enriched)
+    assert {r["uuid"]: r["input_ids"] for r in streamed.enriched} == {r["uuid"]: r["input_ids"] for r in out.enriched}
+    assert _verdicts(streamed.quarantine) == _verdicts(out.quarantine)  # same rows, reasons and details
+    for key in ("rows_out", "quarantined", "steps", "tokens", "length"):
+        assert streamed.result.report[key] == out.report[key], key
+    # the same sentences kept (the tokens above); their scores embedded in other batches differ in the last digits
+    _assert_close(streamed.result.report["similarity"], out.report["similarity"])
+    same_eval_sets = [{k: v for k, v in e.items() if k != "uri"} for e in out.report["decontamination"]["eval_sets"]]
+    assert streamed.result.report["decontamination"] == {**out.report["decontamination"], "eval_sets": [
+        {**e, "uri": mine["uri"]} for e, mine in zip(same_eval_sets,
+                                                     streamed.result.report["decontamination"]["eval_sets"],
+                                                     strict=True)]}
+    # the enriched files wave by wave, each wave's rows sorted by uuid in its files
+    names = json.loads(streamed.result.enriched.join(MANIFEST).read_text())["enriched"]["files"]
+    assert [n.split("/")[0] for n in names] == sorted(n.split("/")[0] for n in names) and "wave-00006" in names[-1]
+
+
+def test_waves_catch_duplicates_across_waves_and_contamination_in_the_last(out, streamed):
+    wave_of = {u: position[0] for u, position in out.order.items()}  # one file = one wave
+    flagged = {q["uuid"]: (q["reason"], q["detail"]) for q in streamed.quarantine}
+    across = 0
+    for kind, reason in (("exact_duplicates", "exact_duplicate"), ("near_duplicates", "near_duplicate")):
+        for pair in out.planted[kind]:
+            first, later = sorted((pair["uuid"], pair["duplicate_of"]), key=out.order.get)
+            if wave_of[first] != wave_of[later]:
+                across += 1
+                assert flagged[later][0] == reason and first in flagged[later][1]
+                assert flagged.get(first, ("kept",))[0] not in ("exact_duplicate", "near_duplicate")
+    assert across >= 2, "the sample should plant a duplicate pair across two files"
+    last = max(wave_of.values())
+    planted_last = [r["uuid"] for r in out.planted["contaminated"] if wave_of[r["uuid"]] == last]
+    assert planted_last and all(flagged[u][0] == "contaminated" for u in planted_last)
+
+
+def test_interrupted_waves_resume_at_the_first_uncommitted_wave(out, spark, streamed):
+    """A run that stopped before the last wave's commit record: the enrichment again reads the six committed
+    waves' records and files as they are and does the last wave alone, with the same result."""
+    waves = streamed.run_root.join("data", "waves")
+    os.remove(waves.join("wave-00006.json").path)
+    before = {n: os.stat(streamed.result.enriched.join(n).path).st_mtime_ns
+              for n in os.listdir(streamed.result.enriched.path) if n.startswith("wave-0000")}
+    result = enrich_in_session(spark, streamed.job, resolve(out.sample.out_dir), streamed.run_root,
+                               eval_sets=(out.sample.eval_path,))
+    after = {n: os.stat(result.enriched.join(n).path).st_mtime_ns for n in before}
+    assert {n for n in before if after[n] != before[n]} == {"wave-00006"}
+    assert [w["committed_unix_s"] for w in result.report["waves"][:6]] == \
+        [w["committed_unix_s"] for w in streamed.result.report["waves"][:6]]
+    assert _verdicts(pq.read_table(result.quarantine.path).to_pylist()) == _verdicts(out.quarantine)
+    assert sorted(r["uuid"] for r in pq.read_table(result.enriched.path, columns=["uuid"]).to_pylist()) == \
+        sorted(r["uuid"] for r in out.enriched)

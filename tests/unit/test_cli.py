@@ -210,3 +210,16 @@ def test_status_of_missing_root_exits_1(tmp_path):
     assert out.returncode == 1
     assert "does not exist" in out.stderr and "typo" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_status_of_a_run_counts_its_committed_waves(tmp_path):
+    from raytrain.status import run_summary_lines
+
+    waves = tmp_path / "run" / "data" / "waves"
+    waves.mkdir(parents=True)
+    for i, (rows_in, kept) in enumerate(((64, 50), (32, 30))):
+        (waves / f"wave-{i:05d}.json").write_text(json.dumps({"rows_in": rows_in, "kept": kept,
+                                                              "quarantined": rows_in - kept}))
+    (waves / "dedup").mkdir()
+    lines = run_summary_lines(str(tmp_path / "run"))
+    assert "  waves        2 enriched and committed: 96 rows in -> 80 kept, 16 quarantined" in lines, lines

@@ -104,7 +104,8 @@ def test_verify_bucket_orders_each_pair_by_input_order():
             a, b = pdf.iloc[i], pdf.iloc[j]
             if (a.file_index, a.uuid, a.row_id) < (b.file_index, b.uuid, b.row_id) \
                     and estimated_jaccard(sigs[i], sigs[j]) >= 0.8:
-                want.add((int(a.row_id), a.uuid, int(b.row_id), b.uuid, estimated_jaccard(sigs[i], sigs[j])))
+                want.add((int(a.row_id), int(a.file_index), a.uuid, int(b.row_id), int(b.file_index), b.uuid,
+                          estimated_jaccard(sigs[i], sigs[j])))
     assert set(map(tuple, got.itertuples(index=False))) == want
     assert len(want) >= 3
     assert ("a", "e") not in {(r.a_uuid, r.b_uuid) for r in got.itertuples()}  # a is in a later file than e

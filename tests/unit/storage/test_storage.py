@@ -10,7 +10,7 @@ import pytest
 
 from raytrain.enrich.spark import S3A_CREDENTIALS_PROVIDER, S3A_RETRY_CONF, spark_conf, spark_uri
 from raytrain.errors import RaytrainError
-from raytrain.storage import default_user, resolve, run_root
+from raytrain.storage import default_user, parquet_names, resolve, run_root
 
 
 @pytest.mark.parametrize("given", ["/mnt/lustre/team", "/tmp/x/../y", "file:///mnt/gpfs/a/"])
@@ -216,3 +216,17 @@ def test_write_atomic_readers_never_see_torn_content(tmp_path):
     stop.set()
     reader.join()
     assert seen <= set(payloads) and seen
+
+
+def test_parquet_names_flat_or_wave_by_wave(tmp_path):
+    for name in ("part-1.parquet", "part-0.parquet", "_SUCCESS", ".part-0.parquet.crc", "validation/part-0.parquet"):
+        (tmp_path / "flat" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "flat" / name).write_bytes(b"")
+    assert parquet_names(resolve(str(tmp_path / "flat"))) == ["part-0.parquet", "part-1.parquet"]
+    for name in ("wave-00001/part-0.parquet", "wave-00000/part-1.parquet", "wave-00000/part-0.parquet",
+                 "wave-00000/_SUCCESS", "wave-00000/x/part-0.parquet"):
+        (tmp_path / "waves" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "waves" / name).write_bytes(b"")
+    assert parquet_names(resolve(str(tmp_path / "waves"))) == [
+        "wave-00000/part-0.parquet", "wave-00000/part-1.parquet", "wave-00001/part-0.parquet"]
+    assert parquet_names(resolve(str(tmp_path / "missing"))) == []
