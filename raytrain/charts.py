@@ -7,7 +7,7 @@
                         the question-side and answer-side scores
 
 Inputs: ``reports/metrics.jsonl`` (rank 0's step metrics, raytrain.trainer.loop) and ``data/enriched/*.parquet``
-(the enrichment's audit columns: ``split``, ``num_tokens``, ``sentence_scores``, ``kept_indices``,
+or its ``wave-NNNNN/`` folders (the enrichment's audit columns: ``split``, ``num_tokens``, ``sentence_scores``, ``kept_indices``,
 ``question_scores``, ``answer_scores``). Reading and drawing are separate so tests draw from synthetic data.
 """
 
@@ -180,14 +180,13 @@ def similarity_chart(scores: SelectionScores, out_path: str) -> str:
 
 
 def read_enriched(enriched_dir: str) -> tuple[dict[str, np.ndarray], SelectionScores]:
-    """Token lengths per split and the selection scores from the enriched Parquet folder."""
+    """Token lengths per split and the selection scores from the enriched Parquet folder (flat, or wave by wave)."""
     import pyarrow.parquet as pq
 
-    names = pq.read_schema(next(os.path.join(enriched_dir, n) for n in sorted(os.listdir(enriched_dir))
-                                if n.endswith(".parquet"))).names
+    files = _enriched_files(enriched_dir)
+    names = pq.read_schema(files[0]).names
     selection = ["sentence_scores", "kept_indices", "question_scores", "answer_scores"]
-    table = pq.read_table(enriched_dir, columns=["split", "num_tokens",
-                                                 *(selection if "sentence_scores" in names else [])])
+    table = pq.read_table(files, columns=["split", "num_tokens", *(selection if "sentence_scores" in names else [])])
     splits = np.asarray(table.column("split").to_pylist())
     tokens = np.asarray(table.column("num_tokens").to_pylist(), dtype=np.int64)
     lengths = {str(s): tokens[splits == s] for s in np.unique(splits)}
@@ -209,6 +208,12 @@ def read_enriched(enriched_dir: str) -> tuple[dict[str, np.ndarray], SelectionSc
                                     flat("answer_scores"))
 
 
+def _enriched_files(enriched_dir: str) -> list[str]:
+    from raytrain.storage import parquet_names, resolve
+
+    return [os.path.join(enriched_dir, n) for n in parquet_names(resolve(enriched_dir))]
+
+
 def write_run_charts(run_dir: str, seq_len: int | None = None) -> list[str]:
     """Every chart whose inputs the run folder holds; returns the PNG paths written."""
     out_dir = os.path.join(run_dir, *CHART_DIR)
@@ -222,7 +227,7 @@ def write_run_charts(run_dir: str, seq_len: int | None = None) -> list[str]:
             if any("rewards/margins" in m for m in metrics):
                 written.append(rewards_chart(metrics, os.path.join(out_dir, "rewards.png")))
     enriched = os.path.join(run_dir, "data", "enriched")
-    if os.path.isdir(enriched) and any(n.endswith(".parquet") for n in os.listdir(enriched)):
+    if _enriched_files(enriched):
         lengths, scores = read_enriched(enriched)
         if any(len(v) for v in lengths.values()):
             written.append(token_length_chart(lengths, seq_len, os.path.join(out_dir, "token_lengths.png")))

@@ -98,6 +98,18 @@ def test_a_run_without_training_gets_only_the_data_charts(tmp_path):
                                                                                        "token_lengths.png"]
 
 
+def test_the_data_charts_of_an_enrichment_in_waves(tmp_path):
+    """A streamed enrichment's rows under wave-NNNNN/ folders draw the same data charts as the same rows flat."""
+    flat, waves = tmp_path / "flat", tmp_path / "waves"
+    write_enriched(flat)
+    table = pq.read_table(flat / "data" / "enriched" / "part-00000.parquet")
+    for i, part in enumerate((table.slice(0, 25), table.slice(25))):
+        (waves / "data" / "enriched" / f"wave-{i:05d}").mkdir(parents=True)
+        pq.write_table(part, waves / "data" / "enriched" / f"wave-{i:05d}" / "part-00000.parquet")
+    drawn = {name: [open(p, "rb").read() for p in write_run_charts(str(name), 1024)] for name in (flat, waves)}
+    assert len(drawn[waves]) == 2 and drawn[waves] == drawn[flat]
+
+
 def test_status_of_one_run(tmp_path):
     run = tmp_path / "runs" / "ci" / "demo" / "r1"
     write_metrics(run, LOSSES)
