@@ -178,20 +178,22 @@ STATS_LEFT_OUT = ("context", "question", "answer", "messages_json", "input_ids",
 def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths):
     """Every wave not committed yet, in order: enriched and quarantined rows under ``wave-NNNNN/`` of the run's
     enriched/ and quarantine/ folders, the wave's dedup state and statistics table under data/waves/, then its
-    commit record (last). A wave left half-written by an interrupted run is cleared and done again. Returns (the
-    statistics of every wave's rows, every wave's kept rows, the commit records)."""
+    commit record (last). A wave left half-written by an interrupted run is cleared and done again, and so is every
+    wave after it (their verdicts depend on its dedup state). Returns (the statistics of every wave's rows, every
+    wave's kept rows, the commit records)."""
     from raytrain.enrich.spark import spark_uri
 
     folder, data_hash = paths.waves, ctx.job.data_hash()
     records: list[dict[str, Any]] = []
+    redone = False  # once a wave is done again, the waves after it are too
     for wave in waves:
-        record = committed(folder, wave, data_hash)
+        record = None if redone else committed(folder, wave, data_hash)
         if record is not None:
             log.info("enrich: wave %d/%d committed already (%d rows in -> %d kept)", wave.index + 1, len(waves),
                      record["rows_in"], record["kept"])
             records.append(record)
             continue
-        t0 = time.perf_counter()
+        redone, t0 = True, time.perf_counter()
         outputs = [paths.enriched.join(wave.name), paths.quarantine.join(wave.name), folder.join("dedup", wave.name),
                    folder.join("stats", wave.name)]
         for loc in outputs:

@@ -16,10 +16,6 @@ from typing import Any
 
 from raytrain.storage import StorageLocation
 
-WAVES_DIR = "waves"
-"""Under the run's ``data/``: ``waves/wave-NNNNN.json``, each wave's commit record, and ``waves/dedup/`` its
-dedup state."""
-
 
 @dataclass(frozen=True)
 class InputFile:
@@ -81,6 +77,7 @@ def plan_waves(files: list[InputFile], wave_rows: int) -> list[Wave]:
 
 
 def commit_record(folder: StorageLocation, wave: Wave) -> StorageLocation:
+    """``folder`` (the run's data/waves/) ``/wave-NNNNN.json``."""
     return folder.join(f"{wave.name}.json")
 
 

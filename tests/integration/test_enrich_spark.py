@@ -501,7 +501,7 @@ def test_pairs_every_line_leaves_through_one_door_with_the_planted_reason(pairs)
         entry = planted.get(line)
         if entry is None:
             continue
-        if entry["kind"] in ("exact_duplicate", "near_duplicate"):  # dedup keeps one of the two, by uuid
+        if entry["kind"] in ("exact_duplicate", "near_duplicate"):  # dedup keeps one of the two, the first
             pair = {pair_id, ids[entry["of_line"]]}
             assert len(pair & kept) == 1 and [reason[i] for i in pair - kept] == [entry["reason"]], entry
         else:
@@ -657,18 +657,19 @@ def test_waves_catch_duplicates_across_waves_and_contamination_in_the_last(out, 
 
 
 def test_interrupted_waves_resume_at_the_first_uncommitted_wave(out, spark, streamed):
-    """A run that stopped before the last wave's commit record: the enrichment again reads the six committed
-    waves' records and files as they are and does the last wave alone, with the same result."""
+    """A run that stopped before wave 5's commit record: the enrichment again takes the five committed waves'
+    records and files as they are and does wave 5 again, and wave 6 after it (its verdicts read wave 5's dedup
+    state), with the same result."""
     waves = streamed.run_root.join("data", "waves")
-    os.remove(waves.join("wave-00006.json").path)
+    os.remove(waves.join("wave-00005.json").path)
     before = {n: os.stat(streamed.result.enriched.join(n).path).st_mtime_ns
               for n in os.listdir(streamed.result.enriched.path) if n.startswith("wave-0000")}
     result = enrich_in_session(spark, streamed.job, resolve(out.sample.out_dir), streamed.run_root,
                                eval_sets=(out.sample.eval_path,))
     after = {n: os.stat(result.enriched.join(n).path).st_mtime_ns for n in before}
-    assert {n for n in before if after[n] != before[n]} == {"wave-00006"}
-    assert [w["committed_unix_s"] for w in result.report["waves"][:6]] == \
-        [w["committed_unix_s"] for w in streamed.result.report["waves"][:6]]
+    assert {n for n in before if after[n] != before[n]} == {"wave-00005", "wave-00006"}
+    committed_at = [[w["committed_unix_s"] for w in r.report["waves"]] for r in (streamed.result, result)]
+    assert committed_at[1][:5] == committed_at[0][:5] and committed_at[1][5] > committed_at[0][6]
     assert _verdicts(pq.read_table(result.quarantine.path).to_pylist()) == _verdicts(out.quarantine)
     assert sorted(r["uuid"] for r in pq.read_table(result.enriched.path, columns=["uuid"]).to_pylist()) == \
         sorted(r["uuid"] for r in out.enriched)

@@ -319,10 +319,11 @@ def test_preference_enrichment_from_s3_to_s3(roots, spark, tmp_path):
 
 
 def test_near_duplicate_chains_and_stars_collapse_in_spark(spark):
-    """steps.duplicates on real Spark (borrowing this module's session, so CI starts no other): one bucket holds a
+    """passes.duplicates on real Spark (borrowing this module's session, so CI starts no other): one bucket holds a
     chain a~b~c~d, whose ends are not near duplicates of each other, a star around e, whose leaves are not, a row x
-    like none, and an exact duplicate pair. Each cluster keeps its smallest uuid; the clustering ran in a Spark task,
-    and only the two counts reached the driver."""
+    like none, and an exact duplicate pair in two files. The later row of each verified pair in input order is the
+    near duplicate, its detail naming its most similar earlier partner; of the exact pair the row in the earlier
+    file stays, though its uuid is the larger. Only the two counts reached the driver."""
     import numpy as np
 
     from raytrain.enrich import batches, passes
@@ -340,10 +341,10 @@ def test_near_duplicate_chains_and_stars_collapse_in_spark(spark):
     d = changed(c, 30)
     sigs = {"a": a, "b": b, "c": c, "d": d, "e": e, "f": changed(e, 0), "g": changed(e, 15), "h": changed(e, 30),
             "x": x}
-    rows = [(i, uuid, batches.OK, f"key-{uuid}", sig.tobytes(), [1]) for i, (uuid, sig) in enumerate(sigs.items())]
-    rows += [(20, "y1", batches.OK, "same", x.tobytes(), [2]), (21, "y2", batches.OK, "same", x.tobytes(), [2])]
-    prepared = spark.createDataFrame(rows, "row_id long, uuid string, status string, exact_key string, "
-                                           "signature binary, band_keys array<bigint>")
+    rows = [(i, 0, uuid, batches.OK, f"key-{uuid}", sig.tobytes(), [1]) for i, (uuid, sig) in enumerate(sigs.items())]
+    rows += [(20, 1, "y1", batches.OK, "same", x.tobytes(), [2]), (21, 0, "y2", batches.OK, "same", x.tobytes(), [2])]
+    prepared = spark.createDataFrame(rows, "row_id long, file_index long, uuid string, status string, "
+                                           "exact_key string, signature binary, band_keys array<bigint>")
     job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2"])
     dups = passes.duplicates(spark, prepared, job)
     try:
@@ -353,10 +354,10 @@ def test_near_duplicate_chains_and_stars_collapse_in_spark(spark):
     uuid = {i: u for i, u in enumerate(sigs)}
     near = {uuid[i]: detail for i, (reason, detail) in got.items() if reason == batches.NEAR_DUPLICATE}
     assert sorted(near) == ["b", "c", "d", "f", "g", "h"]  # a and e kept; x alone
-    assert all(near[m].startswith("near-duplicate of a ") for m in "bcd")
+    assert {m: near[m] for m in "bcd"} == {m: f"near-duplicate of {p} (estimated Jaccard 0.883)"
+                                           for m, p in zip("bcd", "abc", strict=True)}  # each its one earlier link
     assert all(near[m].startswith("near-duplicate of e ") for m in "fgh")
-    assert near["d"].endswith("estimated Jaccard 0.883 with c)")  # its one link
-    assert got[21] == (batches.EXACT_DUPLICATE, "duplicate of y1 (same normalized text)")
+    assert got[20] == (batches.EXACT_DUPLICATE, "duplicate of y2 (same normalized text)")
     assert len(got) == 7
     assert (dups.pairs, dups.near_drops) == (6, 6)  # a~b, b~c, c~d, e~f, e~g, e~h; nothing else reaches 0.8
 
