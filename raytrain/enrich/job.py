@@ -241,7 +241,8 @@ def corpus_table(spark, job: JobConfig, corpus_files: list[Any] | None, eval_ind
 
 def _corpus_statistics(finished, kept, index, cfg, retrieve_seconds: float) -> dict[str, Any]:
     """Retrieval time (task seconds summed over the workers: a retried task counts twice), the approximate
-    search's recall against exact search (on ``kept``, the kept rows with their texts), the most-used documents."""
+    search's recall against exact search (on ``kept``, the kept rows with their texts), the most-used documents
+    (from ``finished``: the finished rows, or the waves' statistics tables)."""
     from raytrain.enrich import passes
     from raytrain.enrich.corpus_table import ann_recall
 

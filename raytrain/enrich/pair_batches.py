@@ -35,8 +35,9 @@ PAIR_ROW = pa.schema([("row_id", pa.int64()), ("split", pa.string()), ("uuid", p
                       ("language", pa.string()), ("status", pa.string()), ("detail", pa.string()),
                       ("pair_json", pa.string())])
 """Every pair table's first columns; ``pair_json`` holds the PreferenceExample's prompt, chosen, rejected, margin."""
-PAIR_PREPARED = pa.schema([*PAIR_ROW, ("file_index", pa.int64()), ("exact_key", pa.string()), ("signature", pa.binary()),
-                           ("band_keys", pa.list_(pa.int64())), ("eval_ngrams", pa.int64())])
+PAIR_PREPARED = pa.schema([*PAIR_ROW, ("file_index", pa.int64()), ("exact_key", pa.string()),
+                           ("signature", pa.binary()), ("band_keys", pa.list_(pa.int64())),
+                           ("eval_ngrams", pa.int64())])
 PAIR_TOKENS = pa.schema([("margin", pa.float64()), ("prompt_ids", pa.list_(pa.int32())),
                          ("chosen_ids", pa.list_(pa.int32())), ("rejected_ids", pa.list_(pa.int32())),
                          ("num_tokens", pa.int64()), ("length_action", pa.string()),

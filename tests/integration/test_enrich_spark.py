@@ -58,8 +58,8 @@ def _reasons(out) -> dict:
 def _mixed_turns(out, measure=lambda text: 1) -> dict:
     """uuid -> ``measure(text)`` summed over the assistant turns with both text and tool calls (v3 cannot hold both),
     found in the raw input, for the rows that pass the tokenization check: not planted for an earlier quarantine
-    reason, not the dropped (later in input order) member of a planted duplicate pair, not longer than seq_len. Default: the
-    number of turns."""
+    reason, not the dropped (later in input order) member of a planted duplicate pair, not longer than seq_len.
+    Default: the number of turns."""
     p = out.planted
     earlier = {r["uuid"] for kind in ("quarantine", "disallowed_license", "contaminated") for r in p[kind]}
     earlier |= {max(r["uuid"], r["duplicate_of"], key=out.order.get) for kind in ("exact_duplicates", "near_duplicates")
