@@ -11,14 +11,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import deepspeed
 import torch
-from deepspeed.pipe import PipelineModule
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from raytrain.config import LoraConfig
 from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
 from raytrain.errors import RaytrainError
+from raytrain.pipeline.deepspeed_import import PipeDataParallelTopology, PipelineModule, deepspeed
 from raytrain.pipeline.model import MistralConfig
 from raytrain.pipeline.module import build_pipeline_module
 

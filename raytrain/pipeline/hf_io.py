@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.pipe import PipelineModule
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from raytrain.errors import RaytrainError
+from raytrain.pipeline.deepspeed_import import PipelineModule
 from raytrain.pipeline.model import MistralConfig, build_sequential, hf_prefix
 from raytrain.pipeline.module import stage_range
 

@@ -12,11 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule
-from deepspeed.runtime import utils as ds_utils
-from deepspeed.runtime.activation_checkpointing import checkpointing
 
 from raytrain.errors import ConfigError
+from raytrain.pipeline.deepspeed_import import LayerSpec, PipelineModule, checkpointing, ds_utils
 from raytrain.pipeline.model import (
     DecoderLayerPipe,
     MistralConfig,
