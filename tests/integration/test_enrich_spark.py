@@ -4,6 +4,10 @@ sample dataset with its answer key (planted.json). The enrichment checked is the
 
 import json
 import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, UserMessage
 from mistral_common.protocol.instruct.request import ChatCompletionRequest
+from process_faults import run_with_deadline, spark_executor_processes, spark_jobs_started
 
 from raytrain.config import load_job_config
 from raytrain.dataset.tokenize import load_tokenizer, tokenize_conversation
@@ -588,16 +593,67 @@ def test_pairs_pack_with_ray_data_never_split_and_validation_apart(pairs, tmp_pa
 
 
 # ---- waves (enrich.wave_rows): the input front to back, one wave per file ------------------------------------------
+KILL_IN_WAVE = 2
+"""The streamed enrichment's Spark executor JVM is SIGKILLed two Spark jobs into this wave."""
+ENRICH_DEADLINE_S = 1200  # the streamed enrichment took ~3.5 min on the loaded 2-core machine; a hang fails
+
+
+@dataclass
+class ExecutorKill:
+    killed: list[int] = field(default_factory=list)
+    restarted: list[int] = field(default_factory=list)
+    committed_at_kill: list[str] = field(default_factory=list)
+    """The waves' commit records that existed when the executor was killed."""
+
+
+def kill_executor_in_wave(spark, waves_folder: str, wave: int, done: threading.Event, kill: ExecutorKill) -> None:
+    """Background thread: once wave `wave - 1` is committed and two Spark jobs of the next wave have started, SIGKILL
+    the Spark executor JVM(s) of our Ray, then wait for RayDP to start a new one (its executor actors restart
+    without limit; Spark re-runs the lost tasks and recomputes the lost persisted blocks)."""
+    sc, deadline = spark.sparkContext, time.monotonic() + 900
+    record, jobs_then = os.path.join(waves_folder, f"wave-{wave - 1:05d}.json"), None
+    while time.monotonic() < deadline and not done.is_set():
+        if jobs_then is None and os.path.exists(record):
+            jobs_then = spark_jobs_started(sc)
+        if jobs_then is not None and spark_jobs_started(sc) >= jobs_then + 2:
+            break
+        time.sleep(0.1)
+    else:
+        return
+    kill.committed_at_kill = sorted(n for n in os.listdir(waves_folder) if n.endswith(".json"))
+    for proc in spark_executor_processes():
+        os.kill(proc.pid, signal.SIGKILL)
+        kill.killed.append(proc.pid)
+    while time.monotonic() < deadline and not done.is_set():
+        fresh = [p.pid for p in spark_executor_processes() if p.pid not in kill.killed]
+        if fresh:
+            kill.restarted.extend(fresh)
+            return
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def streamed(out, spark, tmp_path_factory):
     """The demo's enrichment again with enrich.wave_rows=30, in the module's Spark session: the sample's files hold
-    32 or 64 rows, so every file is a wave of its own (7 waves)."""
+    32 or 64 rows, so every file is a wave of its own (7 waves). Its Spark executor is SIGKILLed in wave 2
+    (kill_executor_in_wave): the tests below compare the result of that run with the undisturbed one-wave run."""
     import dataclasses
 
     job = dataclasses.replace(out.job, enrich=dataclasses.replace(out.job.enrich, wave_rows=30))
     run_root = resolve(str(tmp_path_factory.mktemp("streamed") / "run"))
-    result = enrich_in_session(spark, job, resolve(out.sample.out_dir), run_root, eval_sets=(out.sample.eval_path,))
-    return SimpleNamespace(job=job, run_root=run_root, result=result,
+    waves_folder = run_root.join("data", "waves").path
+    done, kill = threading.Event(), ExecutorKill()
+    killer = threading.Thread(target=kill_executor_in_wave, args=(spark, waves_folder, KILL_IN_WAVE, done, kill),
+                              daemon=True)
+    killer.start()
+    try:
+        result = run_with_deadline(lambda: enrich_in_session(spark, job, resolve(out.sample.out_dir), run_root,
+                                                             eval_sets=(out.sample.eval_path,)),
+                                   ENRICH_DEADLINE_S, "the streamed enrichment with an executor kill")
+    finally:
+        done.set()
+        killer.join(timeout=10)
+    return SimpleNamespace(job=job, run_root=run_root, result=result, kill=kill,
                            enriched=pq.read_table(result.enriched.path).to_pylist(),
                            quarantine=pq.read_table(result.quarantine.path).to_pylist())
 
@@ -637,6 +693,20 @@ def test_waves_keep_quarantine_and_tokenize_exactly_as_one_wave(out, streamed):
     # the enriched files wave by wave, each wave's rows sorted by uuid in its files
     names = json.loads(streamed.result.enriched.join(MANIFEST).read_text())["enriched"]["files"]
     assert [n.split("/")[0] for n in names] == sorted(n.split("/")[0] for n in names) and "wave-00006" in names[-1]
+
+
+def test_spark_executor_killed_mid_stream_is_replaced_and_changes_no_row(out, streamed):
+    """The kill landed in wave 2, before its commit record (waves 0 and 1 committed); RayDP started a new executor
+    JVM and the enrichment went on to the end: the kept rows and the quarantine's verdicts are the undisturbed
+    one-wave run's (the test above compares everything else)."""
+    kill = streamed.kill
+    assert kill.killed, "no Spark executor process found to kill"
+    assert kill.restarted, "no executor came back after the kill"
+    assert kill.committed_at_kill == [f"wave-{w:05d}.json" for w in range(KILL_IN_WAVE)]
+    assert sorted(r["uuid"] for r in streamed.enriched) == sorted(r["uuid"] for r in out.enriched)
+    assert _verdicts(streamed.quarantine) == _verdicts(out.quarantine)
+    print(f"[faults] killed Spark executor pid(s) {kill.killed} in wave {KILL_IN_WAVE}, restarted as "
+          f"{kill.restarted}; {len(streamed.enriched)} rows kept as in the undisturbed run")
 
 
 def test_waves_catch_duplicates_across_waves_and_contamination_in_the_last(out, streamed):

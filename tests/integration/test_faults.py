@@ -1,6 +1,7 @@
 """Fault injection with real processes: a TorchTrainer worker SIGKILLed mid-training, checkpoint files corrupted on
-disk, a Spark executor SIGKILLed during enrichment. Each run must end as an undisturbed run would (same weights, same
-micro-batches, same row count) or fail with an error naming what is broken.
+disk. Each run must end as an undisturbed run would (same weights, same micro-batches) or fail with an error naming
+what is broken. (The Spark executor SIGKILLed during an enrichment is in test_enrich_spark.py: the streamed
+enrichment there has it, and is compared with the undisturbed one-wave run.)
 
 Training runs skip Spark: synthetic conversations are packed once with raytrain.dataset.stream.pack_enriched and
 copied into each run (the packed sequences are the run's fixed data; checkpoints record a position in them).
@@ -12,15 +13,12 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
-import psutil
-import pyarrow.parquet as pq
 import pytest
+from process_faults import my_processes
 from synthetic_data import synthetic_conversations, write_packed
 
 from raytrain.checkpoint.store import CheckpointStore
@@ -33,7 +31,6 @@ MAX_STEPS = 18
 CHECKPOINT_EVERY = 3
 KILL_AFTER_STEP = 7
 NUM_CONVERSATIONS = 160
-KILL_AFTER_SPARK_JOBS = 4  # the enrich steps' first materializations (derive, license) have run
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
@@ -82,19 +79,6 @@ class KillReport:
     candidates: list[str] = field(default_factory=list)
 
 
-def _my_processes(marker: str) -> list[psutil.Process]:
-    """Descendants of this test process whose command line holds `marker`. Other agents run their own Ray on this
-    machine: only processes started under our own embedded Ray (children of this process) are candidates."""
-    out = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if marker in " ".join(proc.cmdline()):
-                out.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
-
-
 def kill_train_worker_when(run, *, after_step: int, timeout_s: float, report: KillReport, done: threading.Event):
     """Background thread: once metrics.jsonl shows step >= after_step and a checkpoint is committed, SIGKILL one
     RayTrainWorker process of our Ray (the highest pid: a pipeline stage, chosen without knowing which)."""
@@ -108,7 +92,7 @@ def kill_train_worker_when(run, *, after_step: int, timeout_s: float, report: Ki
             step = max((r["step"] for r in rows), default=0)
         latest = store.latest() if step >= after_step else None
         if latest is not None:
-            workers = _my_processes("RayTrainWorker")
+            workers = my_processes("RayTrainWorker")
             report.candidates = [f"{p.pid}: {' '.join(p.cmdline())[:80]}" for p in workers]
             if workers:
                 victim = max(workers, key=lambda p: p.pid)
@@ -137,151 +121,6 @@ def reference(runs_root):
     t0 = time.perf_counter()
     summary = run_train(job)
     return {"job": job, "run": run, "summary": summary, "seconds": time.perf_counter() - t0}
-
-
-# ---- Spark executor killed during enrichment ----------------------------------------------------------------------
-ENRICH_DEADLINE_S = 1200  # one enrichment took ~3.5-5 min on the loaded 2-core machine; a hang fails, not blocks
-
-
-@pytest.fixture
-def own_ray():
-    """A Ray started for this test alone (not the module's `ray_local`, which the training tests share).
-
-    Why: run after the training tests in the module's Ray, the second enrichment hung in RayDP's
-    ``ray.get(RayDPSparkMaster.start_up.remote())`` (raydp/spark/ray_cluster.py:78) before any executor was killed.
-    The pytest driver's core-worker log showed its GCS actor-state notifications stop after the last training run's
-    Ray Train controller was destroyed ("received notification on actor" last at its DEAD; the first Spark master's
-    DEAD never arrived); the new Spark master was created and ALIVE in the GCS, yet the driver never saw ALIVE and so
-    never pushed start_up (the actor's worker received one PushTask: its constructor). A Ray-core problem of the
-    driver process (Ray 2.60), seen only after the trainer's actor churn; a fresh driver connection avoids it.
-    """
-    import ray
-
-    from raytrain.runner import WORKER_ENV
-
-    if ray.is_initialized():  # the module's Ray: later tests in the module then start an embedded Ray per run
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
-    yield ray
-    ray.shutdown()
-
-
-def run_with_deadline(fn, timeout_s: float, what: str):
-    """`fn()` in a worker thread; fails the test (with the thread's stack) when it has not returned in `timeout_s`,
-    so a hang shows up as a failure instead of blocking the suite. The thread is left blocked; ray.shutdown() in the
-    fixture's teardown makes its pending ray.get raise."""
-    result, errors = [], []
-
-    def body() -> None:
-        try:
-            result.append(fn())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread below
-            errors.append(e)
-
-    thread = threading.Thread(target=body, name=what, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        frame = sys._current_frames().get(thread.ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
-        pytest.fail(f"{what} did not finish within {timeout_s:.0f}s; its stack:\n{stack}")
-    if errors:
-        raise errors[0]
-    return result[0]
-
-
-def _active_spark_context():
-    from pyspark import SparkContext
-
-    return SparkContext._active_spark_context
-
-
-def _spark_jobs_started(sc) -> int:
-    """Spark jobs `sc` has run so far (0 when it is gone). Each enrich step materializes its output with a count():
-    a few jobs in, persisted blocks live on the executor."""
-    try:
-        return len(sc.statusTracker().getJobIdsForGroup()) if sc is not None else 0
-    except Exception:  # noqa: BLE001 - a context being stopped answers with Py4J errors
-        return 0
-
-
-def spark_executor_processes() -> list[psutil.Process]:
-    """RayDP executor JVMs of our Ray: Java Ray workers (DefaultWorker) started with the Spark driver's port. The
-    other Java worker, the RayDP app master, is started with spark.executor.* settings instead."""
-    return [p for p in _my_processes("io.ray.runtime.runner.worker.DefaultWorker")
-            if "-Dspark.driver.port=" in " ".join(p.cmdline())]
-
-
-def _enrich_job(runs_root, run_name: str):
-    return load_job_config("configs/demo.yaml", [f"storage.root={runs_root}", "storage.user=ci",
-                                                 f"storage.run_name={run_name}", "enrich.num_partitions=2"])
-
-
-def _enriched_rows(run) -> int:
-    return pq.read_table(run.root.join("data", "enriched").path, columns=["uuid"]).num_rows
-
-
-def test_killed_spark_executor_enrichment_completes_with_same_rows(demo_data, own_ray, tmp_path):
-    """The demo's enrichment with the Spark executor JVM SIGKILLed a few Spark jobs in: RayDP restarts the executor
-    actor (max_restarts=-1; the new JVM registers under a new executor id), Spark re-runs the lost tasks and
-    recomputes lost persisted blocks, and the output is the same rows as the undisturbed enrichment of the session's
-    shared demo run (same data settings)."""
-    from raytrain.runner import run_enrich_only
-
-    runs_root = tmp_path
-    undisturbed = open_run(demo_data.job())
-    undisturbed_s = demo_data.seconds
-    job = _enrich_job(runs_root, "enrich-killed")
-    done, killed, restarted, jobs_at_kill = threading.Event(), [], [], []
-
-    stale_context = _active_spark_context()  # an earlier module's (stopped) context, if pyspark kept it
-
-    def killer() -> None:
-        # wait until the killed run's own Spark session is a few jobs in
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not done.is_set():
-            sc = _active_spark_context()
-            if sc is not None and sc is not stale_context and _spark_jobs_started(sc) >= KILL_AFTER_SPARK_JOBS:
-                break
-            time.sleep(0.2)
-        else:
-            return
-        jobs_at_kill.append(_spark_jobs_started(sc))
-        for proc in spark_executor_processes():
-            os.kill(proc.pid, signal.SIGKILL)
-            killed.append(proc.pid)
-        # RayDP creates executor actors with restarts allowed: Ray starts a new JVM, Spark re-runs lost tasks
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not done.is_set():
-            fresh = [p.pid for p in spark_executor_processes() if p.pid not in killed]
-            if fresh:
-                restarted.extend(fresh)
-                return
-            time.sleep(0.5)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    try:
-        t0 = time.perf_counter()
-        run_with_deadline(lambda: run_enrich_only(job), ENRICH_DEADLINE_S, "enrichment with the executor kill")
-        killed_s = time.perf_counter() - t0
-    finally:
-        done.set()
-        thread.join(timeout=10)
-    assert killed, "no Spark executor process found to kill"
-    assert restarted, "no executor came back after the kill"
-    run = open_run(job)
-    report = json.load(open(run.root.join("reports", "enrich_report.json").path))
-    ref_report = json.load(open(undisturbed.root.join("reports", "enrich_report.json").path))
-    assert _enriched_rows(run) == _enriched_rows(undisturbed) == report["rows_out"] == ref_report["rows_out"] > 0
-    assert report["quarantined"] == ref_report["quarantined"]
-    assert report["rows_in"] == ref_report["rows_in"]
-    # same rows, not just the same count
-    ids = pq.read_table(run.root.join("data", "enriched").path, columns=["uuid"]).column("uuid").to_pylist()
-    ref_ids = pq.read_table(undisturbed.root.join("data", "enriched").path, columns=["uuid"]).column("uuid").to_pylist()
-    assert sorted(ids) == sorted(ref_ids)
-    print(f"[faults] killed Spark executor pid(s) {killed} after {jobs_at_kill} Spark jobs, restarted as {restarted}; enrichment finished with {report['rows_out']} rows "
-          f"(undisturbed {ref_report['rows_out']}); {killed_s:.0f}s with the kill (the whole undisturbed demo run: {undisturbed_s:.0f}s)")
 
 
 # ---- worker killed mid-training -----------------------------------------------------------------------------------
