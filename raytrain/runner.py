@@ -38,8 +38,12 @@ log = logging.getLogger(__name__)
 # Environment every Ray worker needs: no hub downloads.
 # RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray Train 2.60 turns a worker's print() into a root-logger record and also tees it to
 # the worker's stdout, so every "[raytrain] step" line reached the driver console twice.
+TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+"""How often Ray Train's controller polls its workers: 0.5 s instead of Ray's 2 s, since it sees each change of the
+worker group only at a poll (docs/decisions.md, "Ray Train polls its workers every half second"). A value in the
+submitter's environment wins."""
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-              "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+              "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", TRAIN_POLL_ENV: "0.5"}
 # Settings (never credentials) that workers on other nodes need for s3:// and for run ownership. Ray writes a job's
 # runtime_env into its logs on every node and shows it in the dashboard's job and actor APIs, so AWS_ACCESS_KEY_ID,
 # AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN are not in this list: workers take credentials from the AWS chain of
@@ -123,8 +127,9 @@ def job_runtime_env() -> dict[str, Any]:
     job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
     job_env = (job_config.get("runtime_env") or {}).get("env_vars") or {}
     worker_env = dict(WORKER_ENV)
-    # Workers on other nodes do not inherit this process's environment: forward the S3 settings it was given.
-    worker_env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})
+    # Workers on other nodes do not inherit this process's environment: forward the S3 settings it was given (and
+    # the submitter's own Ray Train poll interval, if set).
+    worker_env.update({k: os.environ[k] for k in (*FORWARDED_ENV, TRAIN_POLL_ENV) if os.environ.get(k)})
     runtime_env: dict[str, Any] = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
     if "worker_process_setup_hook" not in (job_config.get("runtime_env") or {}):
         # every worker (trainer, Ray Data tasks) creates run files 0640: a node's own umask may be 022

@@ -1,9 +1,8 @@
 """DeepSpeed, imported without its autotuner's MLflow hook, for the modules of this package that use it.
 
-``import deepspeed`` imports its autotuner (through ``deepspeed.runtime.config``), which imports MLflow whenever it is
-installed, as it is with the ``tracking`` extra: 1.4 s of every worker's start on the CPU machines here (1.76 s
-against 0.36 s after torch). raytrain never runs DeepSpeed's autotuner, so MLflow is hidden while DeepSpeed is
-first imported; raytrain's own MLflow tracking (raytrain.trainer.tracking) imports it normally afterwards.
+``import deepspeed`` imports its autotuner, which imports MLflow whenever it is installed (the ``tracking`` extra):
+over a second of every worker's start. raytrain never runs DeepSpeed's autotuner, so MLflow is hidden while DeepSpeed
+is first imported; raytrain's own MLflow tracking imports it normally afterwards (docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ keys in tests/integration/test_s3_run.py."""
 import json
 import secrets
 
-from raytrain.runner import WORKER_SETUP_HOOK, job_runtime_env
+from raytrain.runner import TRAIN_POLL_ENV, WORKER_ENV, WORKER_SETUP_HOOK, job_runtime_env
 
 CANARY = {"AWS_ACCESS_KEY_ID": f"AKIACANARY{secrets.token_hex(5).upper()}",
           "AWS_SECRET_ACCESS_KEY": f"canary-secret-{secrets.token_hex(12)}",
@@ -51,3 +51,11 @@ def test_the_embedded_ray_leaves_cpus_beside_the_trainers_workers(monkeypatch):
     assert embedded_cpus(load_job_config("configs/demo.yaml", ["train.pp=2", "train.dp=2"])) == 6
     assert embedded_cpus(load_job_config("configs/demo.yaml", ["train.pp=2", "train.worker_cpus=1.5"])) == 5
     assert embedded_cpus(load_job_config("configs/demo.yaml", ["train.pp=2", "train.dp=2", "ray.num_cpus=3"])) == 3
+
+
+def test_ray_train_polls_every_half_second_unless_the_submitter_says_otherwise(monkeypatch):
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.delenv(TRAIN_POLL_ENV, raising=False)
+    assert job_runtime_env()["env_vars"][TRAIN_POLL_ENV] == WORKER_ENV[TRAIN_POLL_ENV] == "0.5"
+    monkeypatch.setenv(TRAIN_POLL_ENV, "5")
+    assert job_runtime_env()["env_vars"][TRAIN_POLL_ENV] == "5"
