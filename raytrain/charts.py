@@ -179,11 +179,12 @@ def similarity_chart(scores: SelectionScores, out_path: str) -> str:
     return _save(fig, out_path)
 
 
-def read_enriched(enriched_dir: str) -> tuple[dict[str, np.ndarray], SelectionScores]:
-    """Token lengths per split and the selection scores from the enriched Parquet folder (flat, or wave by wave)."""
+def read_enriched(enriched_dir: str, files: list[str] | None = None) -> tuple[dict[str, np.ndarray], SelectionScores]:
+    """Token lengths per split and the selection scores from the enriched Parquet folder (flat, or wave by wave;
+    ``files``: its files, when the caller listed them already)."""
     import pyarrow.parquet as pq
 
-    files = _enriched_files(enriched_dir)
+    files = files or _enriched_files(enriched_dir)
     names = pq.read_schema(files[0]).names
     selection = ["sentence_scores", "kept_indices", "question_scores", "answer_scores"]
     table = pq.read_table(files, columns=["split", "num_tokens", *(selection if "sentence_scores" in names else [])])
@@ -227,8 +228,9 @@ def write_run_charts(run_dir: str, seq_len: int | None = None) -> list[str]:
             if any("rewards/margins" in m for m in metrics):
                 written.append(rewards_chart(metrics, os.path.join(out_dir, "rewards.png")))
     enriched = os.path.join(run_dir, "data", "enriched")
-    if _enriched_files(enriched):
-        lengths, scores = read_enriched(enriched)
+    files = _enriched_files(enriched)
+    if files:
+        lengths, scores = read_enriched(enriched, files)
         if any(len(v) for v in lengths.values()):
             written.append(token_length_chart(lengths, seq_len, os.path.join(out_dir, "token_lengths.png")))
         if len(scores.all_sentences):

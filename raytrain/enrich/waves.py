@@ -66,11 +66,13 @@ def plan_waves(files: list[InputFile], wave_rows: int) -> list[Wave]:
         return [Wave(0, tuple(files))]
     waves: list[Wave] = []
     current: list[InputFile] = []
+    rows = 0
     for f in files:
         current.append(f)
-        if sum(x.rows for x in current) >= wave_rows:
+        rows += f.rows
+        if rows >= wave_rows:
             waves.append(Wave(len(waves), tuple(current)))
-            current = []
+            current, rows = [], 0
     if current:
         waves.append(Wave(len(waves), tuple(current)))
     return waves
