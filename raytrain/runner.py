@@ -35,13 +35,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Environment every Ray worker needs: no hub downloads.
-# RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray Train 2.60 turns a worker's print() into a root-logger record and also tees it to
-# the worker's stdout, so every "[raytrain] step" line reached the driver console twice.
 TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 """How often Ray Train's controller polls its workers: 0.5 s instead of Ray's 2 s, since it sees each change of the
 worker group only at a poll (docs/decisions.md, "Ray Train polls its workers every half second"). A value in the
 submitter's environment wins."""
+# Environment every Ray worker needs: no hub downloads.
+# RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray Train 2.60 turns a worker's print() into a root-logger record and also tees it to
+# the worker's stdout, so every "[raytrain] step" line reached the driver console twice.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
               "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", TRAIN_POLL_ENV: "0.5"}
 # Settings (never credentials) that workers on other nodes need for s3:// and for run ownership. Ray writes a job's
