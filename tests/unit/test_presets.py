@@ -254,34 +254,33 @@ def test_gpu_preset_fits_the_cloud_cluster(path, cluster):
 
 
 @functools.cache
-def _bf16_decoder_layer(preset: str, attn_impl: str) -> DecoderLayerPipe:
-    """One decoder layer of the preset in bf16 (seconds to build at 7B width: built once for every test here)."""
-    torch.manual_seed(0)
-    return DecoderLayerPipe(MistralConfig.preset(preset), 0, attn_impl=attn_impl).to(torch.bfloat16)
-
-
-@functools.cache
-def _saved_bytes_per_token_unit(preset: str, seq_len: int, attn_impl: str) -> float:
-    """Bytes one decoder layer saves for backward (bf16, micro-batch 1), in units of seq_len x hidden x 2 bytes.
+def _saved_bytes_per_token_units(preset: str, attn_impl: str, seq_lens: tuple[int, ...] = (64, 128)
+                                 ) -> tuple[float, ...]:
+    """Bytes one decoder layer saves for backward (bf16, micro-batch 1) at each of ``seq_lens``, in units of
+    seq_len x hidden x 2 bytes. One 7B-wide layer (seconds to build) measured once per preset and kernel, then freed.
 
     Counted with torch's saved-tensor hooks (unique storages, parameters excluded), every tensor the layer keeps,
     with the preset's attention kernel: nothing is left out of the count.
     """
     cfg = MistralConfig.preset(preset)
-    layer = _bf16_decoder_layer(preset, attn_impl)
+    torch.manual_seed(0)
+    layer = DecoderLayerPipe(cfg, 0, attn_impl=attn_impl).to(torch.bfloat16)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved: dict[int, tuple[tuple[int, ...], int]] = {}
+    units = []
+    for seq_len in seq_lens:
+        saved: dict[int, tuple[tuple[int, ...], int]] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
-        return t
+        def pack(t: torch.Tensor, saved=saved) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
+            return t
 
-    hidden = torch.randn(1, seq_len, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)  # (1, T, H)
-    position_ids = torch.arange(seq_len)[None]  # (1, T)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer((hidden, position_ids, torch.zeros_like(position_ids)))
-    per_token = sum(n for ptr, (_shape, n) in saved.items() if ptr not in params)
-    return per_token / (seq_len * cfg.hidden_size * 2)
+        hidden = torch.randn(1, seq_len, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)  # (1, T, H)
+        position_ids = torch.arange(seq_len)[None]  # (1, T)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer((hidden, position_ids, torch.zeros_like(position_ids)))
+        per_token = sum(n for ptr, (_shape, n) in saved.items() if ptr not in params)
+        units.append(per_token / (seq_len * cfg.hidden_size * 2))
+    return tuple(units)
 
 
 @pytest.mark.parametrize("path", GPU_PRESETS, ids=_name)
@@ -294,9 +293,8 @@ def test_gpu_preset_fits_an_80gib_gpu_without_recomputation(path):
     # keeps nothing quadratic in T: "segment" runs SDPA per document with no mask (its kernels keep the output and
     # the log-sum-exp; the dense path would add a (B, 1, T, T) mask per layer).
     assert job.model.attn_impl == "segment"
-    units = _saved_bytes_per_token_unit(job.model.preset, 64, job.model.attn_impl)
-    again = _saved_bytes_per_token_unit(job.model.preset, 128, job.model.attn_impl)
-    assert again == pytest.approx(units, rel=1e-9)  # linear in T
+    units, at_128 = _saved_bytes_per_token_units(job.model.preset, job.model.attn_impl)  # T = 64 and 128
+    assert at_128 == pytest.approx(units, rel=1e-9)  # linear in T
     assert 20 <= units <= 30  # the comments' "~26 x (T x H x 2 B)"
     per_layer_mb = units * job.dataset.seq_len * cfg.hidden_size * 2 * tc.micro_batch_size
     # 1F1B: stage s keeps min(pp - s, m) micro-batches in flight; stage 0 holds the most (DeepSpeed's schedule agrees)
@@ -338,7 +336,7 @@ def test_lora_preset_fits_an_80gib_gpu_as_its_comments_say(path):
     assert (tc.pp, tc.micro_batch_size, tc.activation_checkpoint_interval) == (1, 1, 0)
     base = sum(layer_parameter_counts(cfg))
     static = base * 2 + trainable * _bytes_per_param(ds, tc.dp)
-    units = _saved_bytes_per_token_unit(job.model.preset, 64, job.model.attn_impl)
+    units = _saved_bytes_per_token_units(job.model.preset, job.model.attn_impl)[0]  # T = 64
     activations = cfg.num_hidden_layers * units * job.dataset.seq_len * cfg.hidden_size * 2 * tc.micro_batch_size
     assert [_deepspeed_schedule(tc.grad_accum_steps, 1, 0)[2]] == [1]  # one stage: one micro-batch in flight
     assert static / GIB == pytest.approx(13.9 if tc.dp == 8 else 14.3, abs=0.05)  # the comments' figures
