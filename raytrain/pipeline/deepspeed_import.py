@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import sys
 
-if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+_HIDE_MLFLOW = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+if _HIDE_MLFLOW:
     sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
-    try:
-        import deepspeed
-    finally:
+try:
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime import utils as ds_utils
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+finally:
+    if _HIDE_MLFLOW:
         del sys.modules["mlflow"]
-
-import deepspeed  # noqa: E402,F811 - the module, imported above or before this one
-from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
-from deepspeed.runtime import utils as ds_utils  # noqa: E402
-from deepspeed.runtime.activation_checkpointing import checkpointing  # noqa: E402
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E402
 
 __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipelineModule", "checkpointing", "deepspeed", "ds_utils"]
