@@ -8,7 +8,8 @@
 
 Inputs: ``reports/metrics.jsonl`` (rank 0's step metrics, raytrain.trainer.loop) and ``data/enriched/*.parquet``
 or its ``wave-NNNNN/`` folders (the enrichment's audit columns: ``split``, ``num_tokens``, ``sentence_scores``,
-``kept_indices``, ``question_scores``, ``answer_scores``). Reading and drawing are separate so tests draw from synthetic data.
+``kept_indices``, ``question_scores``, ``answer_scores``). Reading and drawing are separate so tests draw from
+synthetic data.
 """
 
 from __future__ import annotations
