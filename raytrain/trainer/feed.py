@@ -4,7 +4,8 @@ Pure: takes per-pack token counts and any "pack indices -> numpy batches" reader
 packs and used with Ray Data tasks reading the packed Parquet in the worker.
 
 Order: each epoch trains the packs in ``epoch_order`` (a permutation drawn from ``train.seed`` and the epoch when
-``train.shuffle``), cut into micro-batches and dealt out to replicas step by step (raytrain.trainer.schedule). The
+``train.shuffle``; a streamed run's first epoch goes window of waves by window: raytrain.trainer.pack_order), cut
+into micro-batches and dealt out to replicas step by step (raytrain.trainer.schedule). The
 order is a pure function of (seed, epoch, number of packs), so both data-reading stages of a pipeline see the same
 micro-batches and a resumed run continues exactly where its checkpoint left off. Each replica reads only its own
 micro-batches' packs.
@@ -30,7 +31,8 @@ import torch
 from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
 from raytrain.dataset.pack_reader import PackCounts
 from raytrain.dataset.pair_pack import pair_counts
-from raytrain.trainer.schedule import epoch_and_offset, micro_batches_per_step, owns_micro_batch
+from raytrain.trainer.pack_order import FixedOrder, WaveOrder
+from raytrain.trainer.schedule import micro_batches_per_step, owns_micro_batch
 
 MODEL_COLUMNS = ("input_ids", "position_ids", "segment_ids", "labels")
 
@@ -88,15 +90,6 @@ def to_pair_micro_batch(batch: dict[str, np.ndarray], pair_scale: float, sft_sca
                              torch.tensor([pair_scale, sft_scale], dtype=torch.float32))
 
 
-def epoch_order(num_packs: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
-    """Pack indices of epoch ``epoch`` in training order: a permutation drawn from (seed, epoch) when shuffling, the
-    written order otherwise. A pure function of its arguments: every stage and replica computes the same order, and
-    a resumed run recomputes it exactly."""
-    if not shuffle:
-        return np.arange(num_packs, dtype=np.int64)
-    return np.random.default_rng([seed, epoch]).permutation(num_packs).astype(np.int64)
-
-
 ReadMicroBatches = Callable[[list[np.ndarray]], Iterable[dict[str, np.ndarray]]]
 """Given micro-batches as arrays of pack indices, yield each one's numpy batch in that order (a ``PackReader`` in
 this process, or Ray Data tasks: ``raytrain.dataset.stream.stream_micro_batches``)."""
@@ -130,50 +123,39 @@ def micro_batches(
     shuffle: bool = False,
     trace: FeedTrace | None = None,
     ref_logps: np.ndarray | None = None,
+    order: FixedOrder | WaveOrder | None = None,
 ) -> Iterator[MicroBatch]:
     """Endless micro-batches for replica ``dp_rank``, starting at global micro-batch ``start_position`` (a step
     boundary).
 
-    Global micro-batch g = epoch * E + k (E = num_packs // micro_batch_size; the packs left over by the last full
-    micro-batch of an epoch are not trained that epoch) holds packs ``order[k * mbs : (k + 1) * mbs]`` of that
-    epoch's order (``epoch_order``). Only this replica's micro-batches are read; the step's loss scale comes from
-    the target counts of all dp * m micro-batches (``counts``), so every replica and both data-reading stages of a
-    pipeline use the same one (module docstring).
+    Global micro-batch g holds the packs ``order.packs_of(g)`` gives: by default ``FixedOrder`` of ``counts``
+    (g = epoch * E + k, E = num_packs // micro_batch_size, packs ``epoch_order[k * mbs : (k + 1) * mbs]``; the packs
+    left over by the last full micro-batch of an epoch are not trained that epoch), or a streamed run's
+    ``WaveOrder`` (raytrain.trainer.pack_order), which waits for a wave its micro-batch needs. Only this replica's
+    micro-batches are read; the step's loss scale comes from the target counts of all dp * m micro-batches
+    (``order.counts``), so every replica and both data-reading stages of a pipeline use the same one (module
+    docstring).
 
     Preference packs (``ref_logps``: every pack's reference log-probabilities, (num_packs, 2 * max_pairs)): each
     micro-batch is ``to_pair_micro_batch``'s, scaled by the step's pairs and chosen target tokens (``counts``), so a
     step's loss is the mean over the global batch's pairs.
     """
-    mbs = micro_batch_size
-    per_epoch = counts.num_packs // mbs
-    if per_epoch <= 0:
-        raise ValueError(f"the dataset holds {counts.num_packs} packs, no full micro-batch of {mbs}")
+    order = order or FixedOrder(counts, micro_batch_size, seed, shuffle)
     per_step = micro_batches_per_step(dp, grad_accum_steps)
     if start_position % per_step:
         raise ValueError(f"start_position {start_position} is not a step boundary (multiple of dp * m = {per_step})")
-    orders: dict[int, np.ndarray] = {}
-
-    def packs_of(global_index: int) -> np.ndarray:
-        epoch, k = epoch_and_offset(global_index, per_epoch)
-        if epoch not in orders:
-            for old in [e for e in orders if e < epoch - 1]:
-                del orders[old]
-            orders[epoch] = epoch_order(counts.num_packs, epoch, seed, shuffle)
-        return orders[epoch][k * mbs:(k + 1) * mbs]
+    packs_of = order.packs_of
 
     def own_batches() -> Iterator[dict[str, np.ndarray]]:
-        epoch, offset = epoch_and_offset(start_position, per_epoch)
-        while True:
-            first = epoch * per_epoch
-            yield from read([packs_of(first + k) for k in range(offset, per_epoch)
-                             if owns_micro_batch(first + k, dp_rank, dp, grad_accum_steps)])
-            epoch, offset = epoch + 1, 0
+        for segment in order.segments(start_position):
+            yield from read([packs_of(g) for g in segment if owns_micro_batch(g, dp_rank, dp, grad_accum_steps)])
 
     own = own_batches()
     position = start_position
     while True:
         step_packs = [packs_of(g) for g in range(position, position + per_step)]
         every = np.concatenate(step_packs)
+        counts = order.counts  # a streamed order's grows as waves commit
         targets = int(counts.num_targets[every].sum())
         loss_scale = per_step / targets if targets else 0.0  # no target in the step: every loss sum is 0 anyway
         if ref_logps is not None:

@@ -1,7 +1,7 @@
 """Which micro-batches a worker consumes, and where a resumed run picks up. Pure arithmetic, unit-tested.
 
 Global micro-batch g is micro-batch g % E of epoch g // E (E = packs // micro_batch_size; which packs it holds is
-the epoch's order, raytrain.trainer.feed.epoch_order). The sequence is dealt out step by step: optimizer step s
+the epoch's order, raytrain.trainer.pack_order.epoch_order). The sequence is dealt out step by step: optimizer step s
 uses micro-batches [s * dp * m, (s + 1) * dp * m), replica r taking the m consecutive ones starting at
 s * dp * m + r * m (m = grad_accum_steps). Sharding by *data-parallel* rank, not world rank, is what makes every stage
 of one pipeline see the same micro-batches (Ray Data's own split is by world rank: ray#60439).

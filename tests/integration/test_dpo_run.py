@@ -249,7 +249,7 @@ def test_a_pair_is_never_split_across_micro_batches_or_replicas(runs):
     """From a's data traces (pp 2 x dp 2): each micro-batch a rank consumed is the one pyarrow reads at its global
     index (digest of its document ids); each pair's two segments sit next to each other in one pack of it, and
     every pair of a step reaches exactly one replica."""
-    from raytrain.trainer.feed import epoch_order
+    from raytrain.trainer.pack_order import epoch_order
 
     job = runs["a"]
     run = open_run(job)

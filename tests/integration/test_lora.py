@@ -247,7 +247,7 @@ def _global_batch_loss(reference, job, step: int) -> tuple[torch.Tensor, int]:
     import pyarrow.parquet as pq
 
     from raytrain.dataset.labels import IGNORE_INDEX
-    from raytrain.trainer.feed import epoch_order
+    from raytrain.trainer.pack_order import epoch_order
 
     tc, packed = job.train, open_run(job).paths.packed.path
     with open(os.path.join(packed, "_manifest.json")) as f:

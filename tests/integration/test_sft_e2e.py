@@ -64,7 +64,7 @@ def test_enrich_and_pack_outputs(demo_data):
 
 def test_validation_rows_are_held_out_by_uuid_and_never_trained(first_run, demo_data):
     from raytrain.dataset.stream import validation_mask
-    from raytrain.trainer.feed import epoch_order
+    from raytrain.trainer.pack_order import epoch_order
 
     _, job, _ = first_run
     run = open_run(job)

@@ -60,10 +60,10 @@ def read_reports(job) -> dict:
 
 
 def reference_micro_batch_digests(job) -> list[str]:
-    """Per global micro-batch of the first two epochs: the packs the epoch's order (raytrain.trainer.feed.epoch_order,
+    """Per global micro-batch of the first two epochs: the packs the epoch's order (raytrain.trainer.pack_order.epoch_order,
     train.seed, train.shuffle) puts there, read by pyarrow from the manifest's files, not by the trainer's reader,
     as the digest the trainer records (sha1 of the segments' document ids joined by '|')."""
-    from raytrain.trainer.feed import epoch_order
+    from raytrain.trainer.pack_order import epoch_order
 
     packed = open_run(job).root.join("data", "packed").path
     with open(os.path.join(packed, "_manifest.json")) as f:
@@ -256,7 +256,7 @@ def test_first_step_loss_is_the_token_mean_over_the_global_batch(pp2_dp2):
     every target token and divided by their count: token-weighted across micro-batches and replicas
     (raytrain.trainer.feed's loss_scale)."""
     from raytrain.pipeline.model import build_sequential
-    from raytrain.trainer.feed import epoch_order
+    from raytrain.trainer.pack_order import epoch_order
 
     job, _summary, reports = pp2_dp2
     tc = job.train

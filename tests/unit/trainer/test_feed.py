@@ -3,7 +3,8 @@ import itertools
 import numpy as np
 import pytest
 
-from raytrain.trainer.feed import FeedTrace, epoch_order, in_memory_packs, micro_batches
+from raytrain.trainer.feed import FeedTrace, in_memory_packs, micro_batches
+from raytrain.trainer.pack_order import epoch_order
 from raytrain.trainer.schedule import data_position
 
 SEQ = 4
