@@ -400,6 +400,10 @@ class TrainConfig:
     shuffle: bool = True
     """Train each epoch's packs in a new order drawn from (seed, epoch): the same on every stage and replica,
     recomputed exactly on resume. False = the order the packs were written in, every epoch."""
+    shuffle_window_waves: int = 1
+    """A streamed run (enrich.wave_rows): the first epoch trains the waves in windows of this many consecutive
+    waves, each window's packs shuffled (train.shuffle) before the next window's; training starts once the first
+    window is packed, and its held-out rows are the validation set. Later epochs shuffle every pack."""
     generation_tokens: int = 32
     """At every checkpoint, greedy continuations (up to this many tokens) of the first micro_batch_size validation
     prompts, written with their reference answers to the run's reports/generations.jsonl (0 = none; needs a
@@ -472,6 +476,7 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
         _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0 (0 = none)")
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 = no clipping)")
+        _require(self.shuffle_window_waves >= 1, "train.shuffle_window_waves", "must be >= 1 (waves per window)")
         _require(self.seed >= 0, "train.seed", "must be >= 0 (numpy's generators take no negative seed)")
         _require(self.activation_checkpoint_interval >= 0, "train.activation_checkpoint_interval",
                  "must be >= 0 (0 = off)")

@@ -407,7 +407,33 @@ def write_charts(run: Run) -> list[str]:
 
 def run_sft(job: JobConfig, max_failures: int = 0) -> dict[str, Any]:
     """The whole chain for one run; returns a summary (also written to reports/run_summary.json)."""
-    return _with_run(job, lambda run: _train(run, run_enrich_and_pack(run), max_failures))
+    return _with_run(job, lambda run: _enrich_pack_and_train(run, max_failures))
+
+
+def _enrich_pack_and_train(run: Run, max_failures: int) -> dict[str, Any]:
+    """Enrich, pack, train; streamed (raytrain.streamed) when enrich.wave_rows cuts the input into several waves."""
+    from raytrain.dataset.stream import load_packed
+
+    job = run.job
+    if not job.enrich.wave_rows or _preference(job):
+        return _train(run, run_enrich_and_pack(run), max_failures)
+    from raytrain.streamed import enrich_and_train, packed_streamed, streamed_waves
+
+    done = packed_streamed(run.paths.packed, run.data_hash, job.train.shuffle_window_waves)
+    if done is not None:
+        return _train(run, done, max_failures)
+    if load_packed(run.paths.packed, run.data_hash) is None:
+        from raytrain.enrich.plan import plan_enrichment
+
+        input_root = stage_input(run)
+        eval_sets = eval_set_paths(run, input_root)
+        key = (run.root.uri, job.config_hash())
+        plan = _PLANS.pop(key, None) or plan_enrichment(job, input_root, eval_sets)
+        if streamed_waves(plan, job.enrich.wave_rows) > 1:
+            return enrich_and_train(run, plan, input_root, eval_sets,
+                                    lambda run, packed: _train(run, packed, max_failures))
+        _PLANS[key] = plan  # one wave: enriched and packed as without waves
+    return _train(run, run_enrich_and_pack(run), max_failures)
 
 
 def run_train(job: JobConfig, max_failures: int = 0) -> dict[str, Any]:

@@ -203,8 +203,35 @@ def _waves_lines(rdir: StorageLocation) -> list[str]:
                            if n.startswith("wave-") and n.endswith(".json")) if r]
     if not records:
         return []
-    return [f"  waves        {len(records)} enriched and committed: {sum(r['rows_in'] for r in records)} rows in -> "
-            f"{sum(r['kept'] for r in records)} kept, {sum(r['quarantined'] for r in records)} quarantined"]
+    lines = [f"  waves        {len(records)} enriched and committed: {sum(r['rows_in'] for r in records)} rows in -> "
+             f"{sum(r['kept'] for r in records)} kept, {sum(r['quarantined'] for r in records)} quarantined"]
+    packed = RunPaths(rdir).packed.join("waves")
+    wave_packs = [r["num_packs"] for r in (_read_json(packed.join(n)) for n in sorted(packed.listdir())
+                                           if n.startswith("wave-") and n.endswith(".json")) if r]
+    if wave_packs:
+        lines.append(f"  streamed     {len(wave_packs)} waves packed ({sum(wave_packs)} sequences), "
+                     f"{_waves_trained(rdir, wave_packs)} trained through")
+    return lines
+
+
+def _waves_trained(rdir: StorageLocation, wave_packs: list[int]) -> int:
+    """Waves whose every pack the training's first epoch has trained (from the latest checkpoint's data position;
+    a window of waves is trained through as a whole: raytrain.trainer.pack_order)."""
+    from raytrain.checkpoint.store import CheckpointStore
+
+    committed = CheckpointStore(rdir).committed()
+    if not committed:
+        return 0
+    train = (committed[-1].metadata.get("config") or {}).get("train") or {}
+    window = int(train.get("shuffle_window_waves") or 1)
+    packs = int(committed[-1].metadata.get("data_position") or 0) * int(train.get("micro_batch_size") or 1)
+    done, offset = 0, 0
+    for start in range(0, len(wave_packs), window):
+        offset += sum(wave_packs[start:start + window])
+        if offset > packs:
+            break
+        done = min(start + window, len(wave_packs))
+    return done
 
 
 def print_run_summary(run_uri: str) -> None:

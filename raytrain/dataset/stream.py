@@ -50,6 +50,10 @@ class PackedData:
     benchmark: PackedData | None = None
     """The decontamination eval sets' question/answer items as conversations (under ``location/benchmark``):
     the loss on their answers is the run's benchmark loss; None when no item could be formatted."""
+    waves: tuple[int, ...] | None = None
+    """A streamed run's packs per wave, in wave order (raytrain.dataset.wave_packs); None for packs of one wave."""
+    complete: bool = True
+    """False while a streamed run's enrichment still adds waves."""
 
 
 def _uuid_unit(uuids: Iterable[str], salt: str = "") -> np.ndarray:

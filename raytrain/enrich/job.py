@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,9 +66,11 @@ class EnrichResult:
 
 
 def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
-                      eval_sets: tuple[str, ...] | None = None, plan: EnrichPlan | None = None) -> EnrichResult:
+                      eval_sets: tuple[str, ...] | None = None, plan: EnrichPlan | None = None,
+                      on_wave: Callable[[Wave, dict[str, Any]], None] | None = None) -> EnrichResult:
     """The whole enrichment inside an open Spark session (spark.spark_session); see the module docstring. The
-    input goes through in one wave, or wave by wave with enrich.wave_rows (raytrain.enrich.waves).
+    input goes through in one wave, or wave by wave with enrich.wave_rows (raytrain.enrich.waves); ``on_wave(wave,
+    commit record)`` is called once each wave is committed (by this run or an earlier one), in wave order.
 
     ``plan`` is what ``plan_enrichment(job, input_root, eval_sets)`` returns (computed here when None). Raises
     RaytrainError for bad inputs, AssertionError when rows go missing (a bug).
@@ -96,7 +99,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
         finished = ctx.enrich(waves[0], paths.enriched, paths.quarantine)
         stats, kept = finished, finished.filter(F.col("status") == OK)
     else:
-        stats, kept, records = _enrich_waves(ctx, waves, paths)
+        stats, kept, records = _enrich_waves(ctx, waves, paths, on_wave)
     t0 = time.perf_counter()
     tally = _tally(stats, job, plan, paths.enriched, paths.quarantine)
     if corpus:
@@ -175,7 +178,8 @@ STATS_LEFT_OUT = ("context", "question", "answer", "messages_json", "input_ids",
 """Columns of the finished rows a wave's statistics table leaves out: the report's rollups read none of them."""
 
 
-def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths):
+def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths,
+                  on_wave: Callable[[Wave, dict[str, Any]], None] | None = None):
     """Every wave not committed yet, in order: enriched and quarantined rows under ``wave-NNNNN/`` of the run's
     enriched/ and quarantine/ folders, the wave's dedup state and statistics table under data/waves/, then its
     commit record (last). A wave left half-written by an interrupted run is cleared and done again, and so is every
@@ -192,6 +196,8 @@ def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths):
             log.info("enrich: wave %d/%d committed already (%d rows in -> %d kept)", wave.index + 1, len(waves),
                      record["rows_in"], record["kept"])
             records.append(record)
+            if on_wave is not None:
+                on_wave(wave, record)
             continue
         redone, t0 = True, time.perf_counter()
         outputs = [paths.enriched.join(wave.name), paths.quarantine.join(wave.name), folder.join("dedup", wave.name),
@@ -214,6 +220,8 @@ def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths):
         log.info("enrich: wave %d/%d committed: %d files, %d rows in -> %d kept, %d quarantined (%.1fs)",
                  wave.index + 1, len(waves), len(wave.files), wave.rows, kept, quarantined, record["seconds"])
         records.append(record)
+        if on_wave is not None:
+            on_wave(wave, record)
     stats = ctx.spark.read.parquet(*[spark_uri(folder.join("stats", w.name)) for w in waves])
     kept = ctx.spark.read.parquet(*[spark_uri(paths.enriched.join(w.name)) for w in waves])
     return stats, kept, records
@@ -321,7 +329,8 @@ def footer_rows(loc: StorageLocation) -> tuple[list[str], int]:
 
 
 def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,
-               eval_sets: tuple[str, ...] | None = None, plan: EnrichPlan | None = None) -> EnrichResult:
+               eval_sets: tuple[str, ...] | None = None, plan: EnrichPlan | None = None,
+               on_wave: Callable[[Wave, dict[str, Any]], None] | None = None) -> EnrichResult:
     """Start Spark on the running Ray cluster, enrich, stop Spark; returns where the outputs are and the report.
     ``plan``: ``plan_enrichment(job, input_root, eval_sets)`` when the caller made it already."""
     from raytrain.enrich.spark import spark_session
@@ -330,7 +339,7 @@ def run_enrich(job: JobConfig, input_root: StorageLocation, run_root: StorageLoc
     plan = plan or plan_enrichment(job, input_root, eval_sets)
     configs = session_configs(job, input_root, run_root, plan.corpus_files)
     with spark_session(job.enrich, extra_configs=configs) as spark:
-        return enrich_in_session(spark, job, input_root, run_root, plan=plan)
+        return enrich_in_session(spark, job, input_root, run_root, plan=plan, on_wave=on_wave)
 
 
 def session_configs(job: JobConfig, input_root: StorageLocation, run_root: StorageLocation,

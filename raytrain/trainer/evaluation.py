@@ -31,6 +31,11 @@ class PackedFiles:
     uri: str
     files: tuple[str, ...]
     num_packs: int
+    streamed: bool = False
+    """A streamed run's training packs: ``files`` are the waves packed when the trainer started, and the worker
+    reads more as the enrichment commits them (raytrain.trainer.wave_source)."""
+    data_hash: str = ""
+    """The run's data hash (a streamed run's wave records carry it)."""
 
 
 class PackSource:

@@ -63,9 +63,13 @@ def _evaluable(subset: PackedData | None, name: str, micro_batch_size: int, dp: 
     return subset
 
 
-def _files_of(packed: PackedData) -> PackedFiles:
-    """Where a worker finds a packed set: folder URI, file names in the fixed order, number of packs."""
-    return PackedFiles(packed.location.uri, tuple(p.rsplit("/", 1)[-1] for p in packed.files), packed.num_packs)
+def _files_of(packed: PackedData, data_hash: str = "") -> PackedFiles:
+    """Where a worker finds a packed set: folder URI, file paths relative to it in the fixed order, number of packs
+    (a streamed run's training packs: those of the waves packed so far, ``streamed``)."""
+    folder = packed.location.path.rstrip("/") + "/"
+    names = tuple(p[len(folder):] if p.startswith(folder) else p.rsplit("/", 1)[-1] for p in packed.files)
+    return PackedFiles(packed.location.uri, names, packed.num_packs, streamed=packed.waves is not None,
+                       data_hash=data_hash)
 
 
 def user_error(error: BaseException) -> RaytrainError | None:
@@ -173,7 +177,8 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     validation = _evaluable(packed.validation, "validation", tc.micro_batch_size, tc.dp)
     benchmark = _evaluable(packed.benchmark, "benchmark", tc.micro_batch_size, tc.dp)
     ds_config = derive_ds_config(load_ds_config(tc.ds_config), tc, ds_path=tc.ds_config)
-    check_enough_packs(num_packs, tc.micro_batch_size, tc.dp, tc.grad_accum_steps)
+    if packed.complete:  # a streamed run's trainer waits for the waves its steps need
+        check_enough_packs(num_packs, tc.micro_batch_size, tc.dp, tc.grad_accum_steps)
     if validation is None and tc.eval_every:
         log.warning("train.eval_every=%d but the run has no validation set: no validation loss (set "
                     "dataset.validation_fraction > 0)", tc.eval_every)
@@ -186,7 +191,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         RunPaths(run_root).reports.mkdirs()  # workers append metrics and data traces here
     base = _starting_weights(job, run_root)
     loop_config = LoopConfig(
-        job=job, run_uri=run_root.uri, ds_config=ds_config, packed=_files_of(packed),
+        job=job, run_uri=run_root.uri, ds_config=ds_config, packed=_files_of(packed, job.data_hash()),
         validation=_files_of(validation) if validation is not None else None,
         benchmark=_files_of(benchmark) if benchmark is not None else None,
         local_reports_dir=RunPaths(run_root).reports.path if run_root.scheme == "file" else None,
@@ -207,8 +212,10 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         # must see the same micro-batches (ray#60439). Each reading worker streams exactly its replica's packs with
         # Ray Data itself (raytrain.trainer.feed, raytrain.dataset.stream.stream_micro_batches).
     )
-    log.info("train: starting %d Ray Train workers (pp %d x dp %d) for %d steps on %d packed sequences%s",
-             tc.num_workers, tc.pp, tc.dp, tc.stop_at_step or tc.max_steps, num_packs,
+    streaming = "" if packed.complete else (f" of {len(packed.waves or ())} waves (more as the enrichment commits "
+                                            "them)")
+    log.info("train: starting %d Ray Train workers (pp %d x dp %d) for %d steps on %d packed sequences%s%s",
+             tc.num_workers, tc.pp, tc.dp, tc.stop_at_step or tc.max_steps, num_packs, streaming,
              f", eval on {validation.num_packs} held out" if validation is not None else "")
     try:
         trainer.fit()

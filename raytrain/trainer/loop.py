@@ -32,6 +32,7 @@ from raytrain.storage import RunPaths, StorageLocation, apply_run_umask, resolve
 from raytrain.trainer.evaluation import Evaluator, Generations, OpenPacks, PackedFiles, PackSource
 from raytrain.trainer.feed import FeedTrace, micro_batches
 from raytrain.trainer.metrics_sink import MetricsSink
+from raytrain.trainer.pack_order import WaveOrder
 from raytrain.trainer.preference import pair_metrics
 from raytrain.trainer.schedule import Topology, check_resume_position, data_position
 
@@ -93,7 +94,8 @@ def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
     apply_run_umask()  # DeepSpeed's and torch.save's files: 0640 (a worker on another node has the node's umask)
     store = CheckpointStore(resolve(cfg.run_uri, s3_endpoint=endpoint), keep_last=tc.keep_last,
                             keep_best=tc.keep_best or None, on_corrupt=tc.on_corrupt_checkpoint, fence=cfg.fence)
-    train(cfg, stage, store, lambda packed: PackSource(packed, endpoint), report=ray.train.report,
+    train(cfg, stage, store, lambda packed: open_packed(packed, endpoint, announce=dist.get_rank() == 0),
+          report=ray.train.report,
           mfu_of=lambda tokens_per_s: mfu(tokens_per_s, model_cfg, job.dataset.seq_len,
                                                    tc.peak_tflops * 1e12 * tc.num_workers))
 
@@ -158,17 +160,31 @@ def _reference_logps(cfg: LoopConfig, stage: Any, topo: Topology, store: Checkpo
     return reference_logps(stage, topo, cfg.job, sets, folder, store.check_fence)
 
 
+def open_packed(packed: PackedFiles, s3_endpoint: str | None, announce: bool = False) -> PackSource:
+    """A worker's reader of a packed set: a streamed run's training packs grow as waves are committed."""
+    if packed.streamed:
+        from raytrain.trainer.wave_source import WavePackSource
+
+        return WavePackSource(packed, s3_endpoint, announce)
+    return PackSource(packed, s3_endpoint)
+
+
 class _Feed:
     """This replica's training micro-batches from ``step`` on (raytrain.trainer.feed), with what it consumed."""
 
     def __init__(self, packs: PackSource, topo: Topology, tc: Any, step: int, ref_logps: Any = None) -> None:
         self.packs, self.trace = packs, FeedTrace()
-        self.counts = packs.counts()
+        order = None
+        if hasattr(packs, "wait"):  # a streamed run's packs (raytrain.trainer.wave_source)
+            order = WaveOrder(packs.wait, tc.micro_batch_size, tc.shuffle_window_waves, tc.seed, tc.shuffle)
+        self.order = order
+        self.counts = order.counts if order is not None else packs.counts()
         self.iterator = micro_batches(self.counts, lambda own: packs.stream(own, tc.micro_batch_size),
                                       micro_batch_size=tc.micro_batch_size,
                                       start_position=data_position(step, tc.dp, tc.grad_accum_steps),
                                       dp_rank=topo.dp_rank, dp=tc.dp, grad_accum_steps=tc.grad_accum_steps,
-                                      seed=tc.seed, shuffle=tc.shuffle, trace=self.trace, ref_logps=ref_logps)
+                                      seed=tc.seed, shuffle=tc.shuffle, trace=self.trace, ref_logps=ref_logps,
+                                      order=order)
 
     def consumed_count(self) -> int:
         return len(self.trace.consumed)
@@ -178,9 +194,11 @@ class _Feed:
 
     def print_summary(self, topo: Topology) -> None:
         stats = self.packs.read_stats
+        counts = self.order.counts if self.order is not None else self.counts
+        waited = f", waited {self.packs.waited_s:.1f}s for waves" if self.order is not None else ""
         print(f"[raytrain] rank {topo.world_rank} (stage {topo.stage}, replica {topo.dp_rank}) read "
-              f"{stats.get('packs_read', 0)} of {self.counts.num_packs} packs, "
-              f"{stats.get('bytes_read', 0) / 2**10:,.0f} KiB of Parquet this launch", flush=True)
+              f"{stats.get('packs_read', 0)} of {counts.num_packs} packs, "
+              f"{stats.get('bytes_read', 0) / 2**10:,.0f} KiB of Parquet this launch{waited}", flush=True)
 
 
 class _StepClock:
@@ -213,6 +231,9 @@ class _StepClock:
             "pipeline_bubble": self.bubble, "stage": topo.stage, "dp_rank": topo.dp_rank,
             "mfu": self.mfu_of(tokens_per_s) if tc.peak_tflops else None,
             "data_position": data_position(step, tc.dp, tc.grad_accum_steps),
+            "finished_unix_s": round(time.time(), 3),  # compared with a streamed run's wave records
+            # a streamed run: seconds this launch's feed waited for the enrichment's waves so far
+            "waited_for_waves_s": round(feed.packs.waited_s, 3) if feed and feed.order is not None else None,
         }
 
 

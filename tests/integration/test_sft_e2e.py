@@ -232,3 +232,129 @@ def test_resume_continues_and_matches_uninterrupted(first_run, tmp_path_factory)
         assert wa.keys() == wb.keys()
         for k in wa:
             assert torch.equal(wa[k], wb[k]), f"{rel}:{k} differs"
+
+
+# ---- a streamed run (enrich.wave_rows): training starts on the first wave while the enrichment goes on ----------
+STREAM_WAVE_ROWS = 80
+"""The sample's files hold 32 or 64 rows: 3 waves (96, 96 and 128 rows)."""
+STREAM_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def streamed_run(demo_data, ray_local, tmp_path_factory):
+    """The demo's sample enriched in 3 waves by `run_sft`, 8 steps of 8 packs trained on the waves packed so far.
+
+    The test holds the last wave's packing back (a wrapper around raytrain.streamed.pack_wave, real packing after
+    it) until the trainer has trained every step the first two waves give: so the trainer catches up with the
+    enrichment and must wait for the last wave, on any machine."""
+    import time
+
+    from raytrain import streamed
+    from raytrain.dataset.wave_packs import WAVES
+
+    root = tmp_path_factory.mktemp("streamed")
+    job = _job(root, "streamed", f"input.path={open_run(demo_data.job()).paths.sample.path}",
+               f"enrich.wave_rows={STREAM_WAVE_ROWS}", f"train.max_steps={STREAM_STEPS}", "train.grad_accum_steps=4",
+               "train.eval_every=4")
+    run = open_run(job)
+    global_batch = job.train.global_batch_size
+    held: dict[str, int] = {}
+    real_pack_wave = streamed.pack_wave
+
+    def pack_wave(enriched_wave, packed, index, *args, **kwargs):
+        if index == 2:  # the last wave: wait until the steps of waves 0 and 1 are trained
+            earlier = [json.loads(packed.join(WAVES, f"wave-{w:05d}.json").read_text())["num_packs"] for w in (0, 1)]
+            held["steps_before"] = sum(earlier) // global_batch
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline:
+                done = _metrics(run) if run.root.join("reports", "metrics.jsonl").exists() else []
+                if len(done) >= held["steps_before"]:
+                    break
+                time.sleep(0.5)
+        return real_pack_wave(enriched_wave, packed, index, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(streamed, "pack_wave", pack_wave)
+        summary = run_sft(job)
+    return job, summary, held
+
+
+def _pack_rows(folder, files, column):
+    return [v for name in files for v in pq.read_table(os.path.join(folder, name), columns=[column])
+            .column(column).to_pylist()]
+
+
+def test_streamed_run_trains_before_the_last_wave_and_waits_for_it(streamed_run):
+    from raytrain.dataset.wave_packs import WAVES
+    from raytrain.status import run_summary_lines
+    from raytrain.trainer.pack_order import window_order
+
+    job, summary, held = streamed_run
+    run = open_run(job)
+    packed = run.paths.packed.path
+    records = [json.load(open(os.path.join(packed, WAVES, f"wave-{w:05d}.json"))) for w in range(3)]
+    assert summary["waves"] == [r["num_packs"] for r in records] and summary["waves_at_start"] == 1
+    metrics = {m["step"]: m for m in _metrics(run)}
+    assert sorted(metrics) == list(range(1, STREAM_STEPS + 1))
+    # from the run's own records: the first step finished before waves 1 and 2 were packed; every step that the
+    # first two waves give was trained before the last wave was packed, then the trainer waited for it
+    assert metrics[1]["finished_unix_s"] < records[1]["committed_unix_s"] < records[2]["committed_unix_s"]
+    last_wave_step = held["steps_before"] + 1
+    assert last_wave_step <= STREAM_STEPS  # the run needs the last wave
+    assert metrics[last_wave_step - 1]["finished_unix_s"] < records[2]["committed_unix_s"]
+    assert metrics[last_wave_step]["waited_for_waves_s"] > metrics[last_wave_step - 1]["waited_for_waves_s"]
+    assert metrics[last_wave_step]["finished_unix_s"] > records[2]["committed_unix_s"]
+
+    # the micro-batches consumed are those of the windowed order over the waves' packs (window 1: wave by wave)
+    manifest = json.load(open(os.path.join(packed, "_manifest.json")))
+    assert manifest["waves"] == summary["waves"]
+    doc_ids = _pack_rows(packed, manifest["files"], "doc_ids")
+    order = window_order(manifest["waves"], job.train.shuffle_window_waves, job.train.seed, job.train.shuffle, True)
+    mbs = job.train.micro_batch_size
+    expected = [hashlib.sha1("|".join(doc_ids[p] for p in order[k * mbs:(k + 1) * mbs]).encode()).hexdigest()[:16]
+                for k in range(STREAM_STEPS * job.train.grad_accum_steps)]
+    for rank in (0, 1):  # both stages of the pipeline read them
+        with open(run.root.join("reports", f"data_trace_rank{rank}.jsonl").path) as f:
+            assert [d for row in map(json.loads, f) for _, d in sorted(row["consumed"])] == expected, rank
+    lines = "\n".join(run_summary_lines(run.root.uri))
+    assert "streamed     3 waves packed" in lines and f"{len(records)} trained through" not in lines
+
+
+def test_streamed_run_keeps_quarantines_and_packs_what_one_wave_does(streamed_run, demo_data):
+    """The same rows kept and quarantined (with the same reasons) as the demo's one-wave enrichment of the same
+    files, and the same tokens packed for training and for validation (the hold-out is per row)."""
+    import numpy as np
+
+    from raytrain.dataset.labels import PAD_SEGMENT_ID
+
+    job, _, _ = streamed_run
+    streamed, one_wave = open_run(job), open_run(demo_data.job())
+
+    def rows(run, folder, columns):  # sorted as text: a quarantined row may have no uuid
+        return sorted((tuple(r[c] for c in columns) for r in pq.read_table(run.root.join("data", folder).path,
+                                                                           columns=list(columns)).to_pylist()),
+                      key=repr)
+
+    assert rows(streamed, "enriched", ("uuid",)) == rows(one_wave, "enriched", ("uuid",))
+    assert rows(streamed, "quarantine", ("uuid", "reason")) == rows(one_wave, "quarantine", ("uuid", "reason"))
+
+    def tokens(run, entry_of) -> np.ndarray:
+        """Every real token of the packs the manifest lists (``entry_of(manifest)``: the files, relative to
+        data/packed/), sorted."""
+        folder = run.root.join("data", "packed").path
+        files = entry_of(json.load(open(os.path.join(folder, "_manifest.json"))))
+        ids, segments = (np.array(_pack_rows(folder, files, c)) for c in ("input_ids", "segment_ids"))
+        return np.sort(ids[segments != PAD_SEGMENT_ID])
+
+    def streamed_validation(manifest):
+        records = [json.load(open(streamed.root.join("data", "packed", "waves", f"wave-{w:05d}.json").path))
+                   for w in range(len(manifest["waves"]))]
+        return [name for r in records for name in r["validation"]["files"]]
+
+    one_wave_manifest = json.load(open(one_wave.root.join("data", "packed", "_manifest.json").path))
+    streamed_manifest = json.load(open(streamed.root.join("data", "packed", "_manifest.json").path))
+    assert streamed_manifest["validation_fraction"] == pytest.approx(one_wave_manifest["validation"]["fraction"])
+    np.testing.assert_array_equal(tokens(streamed, lambda m: m["files"]), tokens(one_wave, lambda m: m["files"]))
+    held_out = tokens(streamed, streamed_validation)
+    assert len(held_out) and np.array_equal(held_out, tokens(
+        one_wave, lambda m: [f"validation/{name}" for name in m["validation"]["files"]]))

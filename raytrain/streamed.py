@@ -1,0 +1,129 @@
+"""A streamed run (``enrich.wave_rows`` cutting the input into more than one wave): training starts on the first
+waves while the enrichment goes on, on the same Ray cluster.
+
+The enrichment (Spark on Ray) runs in a thread of the driver. Each wave it commits is packed at once (Ray Data,
+raytrain.dataset.wave_packs) and its pack record written; the driver starts the TorchTrainer as soon as the first
+``train.shuffle_window_waves`` waves are packed, and the workers read more waves as their records appear, waiting
+("waiting for wave k" on the console) when training catches up with the enrichment (raytrain.trainer.wave_source).
+A resumed run enriches from its first uncommitted wave on and trains from its checkpoint: the pack order depends
+only on the config and the waves' pack counts (raytrain.trainer.pack_order), so the micro-batches are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from raytrain.dataset.stream import PackedData
+from raytrain.dataset.wave_packs import (
+    WAVES,
+    WaveRecords,
+    finish_waves,
+    pack_wave,
+    read_wave_records,
+    streamed_packs,
+    wave_fraction,
+)
+from raytrain.errors import RaytrainError
+from raytrain.storage import MANIFEST, StorageLocation
+
+if TYPE_CHECKING:
+    from raytrain.enrich.plan import EnrichPlan
+    from raytrain.runner import Run
+
+log = logging.getLogger(__name__)
+
+FAILED = "_failed.json"
+"""Under data/packed/waves/: written when the enrichment of a streamed run fails, so waiting workers stop too."""
+
+
+def streamed_waves(plan: EnrichPlan, wave_rows: int) -> int:
+    """How many waves the enrichment cuts the input into (1 = not streamed)."""
+    from raytrain.enrich.waves import input_files, plan_waves
+
+    rows = {split: footers["file_rows"] for split, footers in plan.footers.items()}
+    return len(plan_waves(input_files(plan.inputs.files, rows), wave_rows))
+
+
+def packed_streamed(packed: StorageLocation, data_hash: str, window: int) -> PackedData | None:
+    """A streamed run's packs when every wave is packed already (a finished enrichment); None otherwise."""
+    manifest = packed.join(MANIFEST)
+    if not manifest.exists() or "waves" not in json.loads(manifest.read_text()):
+        return None
+    waves = read_wave_records(packed, data_hash)
+    return streamed_packs(packed, waves, window) if waves.complete else None
+
+
+def enrich_and_train(run: Run, plan: EnrichPlan, input_root: StorageLocation, eval_sets: tuple[str, ...],
+                     train: Any) -> dict[str, Any]:
+    """Enrich and pack wave by wave in a thread, start ``train(run, packed)`` on the first window of waves, then
+    wait for the enrichment; returns train's summary. An error of either side is raised here."""
+    from raytrain.enrich.job import run_enrich
+    from raytrain.runner import write_report
+
+    job, packed, data_hash = run.job, run.paths.packed, run.data_hash
+    fraction = wave_fraction(job.dataset, plan.rows_in)
+    failed = packed.join(WAVES, FAILED)
+    failed.delete_file()
+    # one packing thread: wave k is packed while Spark enriches wave k + 1, and the waves are packed in order
+    packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-pack")
+    packing: list[Future] = []
+
+    def on_wave(wave, _committed: dict[str, Any]) -> None:
+        failed_before = next((f.exception() for f in packing if f.done() and f.exception()), None)
+        if failed_before is not None:
+            raise failed_before  # an earlier wave could not be packed: stop enriching
+        packing.append(packer.submit(pack_wave, run.paths.enriched.join(wave.name), packed, wave.index, job.dataset,
+                                     data_hash, fraction, tuple(plan.evals.records) if wave.index == 0 else ()))
+
+    outcome: dict[str, Any] = {}
+    records: list[dict[str, Any]] = []
+
+    def enrich() -> None:
+        try:
+            result = run_enrich(job, input_root, run.root, eval_sets=eval_sets, plan=plan, on_wave=on_wave)
+            write_report(run, "enrich_report.json", result.report)
+            records.extend(f.result() for f in packing)
+            finish_waves(packed, records, job.dataset, data_hash, fraction)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, and to the waiting workers
+            outcome["error"] = e
+            failed.write_atomic(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        finally:
+            packer.shutdown(wait=True, cancel_futures=True)
+
+    thread = threading.Thread(target=enrich, name="raytrain-enrich", daemon=True)
+    thread.start()
+    waves = _first_window(packed, data_hash, job.train.shuffle_window_waves, thread, outcome)
+    log.info("stream: training starts on %d of the waves (%d sequences) while the enrichment goes on",
+             len(waves.records), sum(waves.wave_packs))
+    summary = train(run, streamed_packs(packed, waves, job.train.shuffle_window_waves))
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    summary.update(num_packs=sum(r["num_packs"] for r in records), waves=[r["num_packs"] for r in records],
+                   waves_at_start=len(waves.records))
+    write_report(run, "run_summary.json", summary)
+    return summary
+
+
+def _first_window(packed: StorageLocation, data_hash: str, window: int, thread: threading.Thread,
+                  outcome: dict[str, Any]) -> WaveRecords:
+    """Wait until the first ``window`` waves are packed (or all of them, or the enrichment failed)."""
+    while True:
+        if "error" in outcome:
+            thread.join()
+            raise outcome["error"]
+        waves = read_wave_records(packed, data_hash)
+        if len(waves.records) >= window or waves.complete:
+            return waves
+        if not thread.is_alive():
+            thread.join()
+            if "error" in outcome:
+                raise outcome["error"]
+            raise RaytrainError(f"the enrichment ended with {len(waves.records)} waves packed under {packed.uri}, "
+                                "before the first window of waves (a bug)")
+        time.sleep(0.5)
