@@ -257,6 +257,7 @@ def streamed_run(demo_data, ray_local, tmp_path_factory):
                f"enrich.wave_rows={STREAM_WAVE_ROWS}", f"train.max_steps={STREAM_STEPS}", "train.grad_accum_steps=4",
                "train.eval_every=4")
     run = open_run(job)
+    _reuse_corpus_table(open_run(demo_data.job()), run)
     global_batch = job.train.global_batch_size
     held: dict[str, int] = {}
     real_pack_wave = streamed.pack_wave
@@ -277,6 +278,12 @@ def streamed_run(demo_data, ray_local, tmp_path_factory):
         patch.setattr(streamed, "pack_wave", pack_wave)
         summary = run_sft(job)
     return job, summary, held
+
+
+def _reuse_corpus_table(source, run) -> None:
+    """The sample corpus's embedded sentence table of run ``source`` into ``run``'s data/corpus/ (the same corpus
+    files and model: the enrichment reuses it, as a later run of one project does, instead of embedding again)."""
+    shutil.copytree(source.paths.corpus.path, run.paths.corpus.path)
 
 
 def _pack_rows(folder, files, column):
@@ -358,3 +365,72 @@ def test_streamed_run_keeps_quarantines_and_packs_what_one_wave_does(streamed_ru
     held_out = tokens(streamed, streamed_validation)
     assert len(held_out) and np.array_equal(held_out, tokens(
         one_wave, lambda m: [f"validation/{name}" for name in m["validation"]["files"]]))
+
+
+def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local, tmp_path_factory):
+    """The streamed run's config in a driver process of its own (`raytrain run` on this module's Ray), SIGKILLed
+    once its first checkpoint is committed, while waves are still being enriched; launched again (here): the
+    enrichment goes on from its first uncommitted wave (no wave enriched twice), training from the checkpoint, and
+    the losses and final weights equal the uninterrupted streamed run's, bit for bit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from raytrain.dataset.wave_packs import WAVES
+
+    straight_job = streamed_run[0]
+    overrides = [f"storage.root={tmp_path_factory.mktemp('killed')}", "storage.run_name=killed", "storage.user=ci",
+                 f"input.path={straight_job.input.path}", f"enrich.wave_rows={STREAM_WAVE_ROWS}",
+                 f"train.max_steps={STREAM_STEPS}", "train.grad_accum_steps=4", "train.eval_every=4",
+                 "train.checkpoint_every=1"]
+    job = load_job_config("configs/demo.yaml", overrides)
+    run = open_run(job)
+    _reuse_corpus_table(open_run(straight_job), run)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS=ray_local.get_runtime_context().gcs_address)
+    driver = subprocess.Popen([sys.executable, "-m", "raytrain.cli", "run", "configs/demo.yaml", *overrides],
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    enrich_records = run.root.join("data", "waves")
+    try:
+        deadline = time.monotonic() + 900
+        while CheckpointStore(run.root).latest() is None:
+            assert driver.poll() is None and time.monotonic() < deadline, "the driver ended before a checkpoint"
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    committed_at_kill = {n: json.loads(enrich_records.join(n).read_text())["committed_unix_s"]
+                         for n in enrich_records.listdir() if n.endswith(".json")}
+    assert "wave-00002.json" not in committed_at_kill, "the enrichment finished before the kill: not mid-stream"
+    killed_at_step = CheckpointStore(run.root).latest().step
+    assert killed_at_step < STREAM_STEPS
+
+    run_sft(job)
+    for name, committed in committed_at_kill.items():  # the waves committed before the kill were not redone
+        assert json.loads(enrich_records.join(name).read_text())["committed_unix_s"] == committed, name
+    assert len([n for n in run.paths.packed.join(WAVES).listdir() if n.startswith("wave-")]) == 3
+    straight, resumed = _metrics(open_run(straight_job)), _metrics(run)
+    assert [m["step"] for m in resumed] == list(range(1, STREAM_STEPS + 1))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]
+    a, b = CheckpointStore(run.root).latest(), CheckpointStore(open_run(straight_job).root).latest()
+    assert a.step == b.step == STREAM_STEPS
+    layer_files = sorted(f for f in a.manifest["files"] if "layer_" in f)
+    assert layer_files == sorted(f for f in b.manifest["files"] if "layer_" in f) and layer_files
+    for rel in layer_files:
+        wa = torch.load(os.path.join(a.local_path, rel), map_location="cpu", weights_only=True)
+        wb = torch.load(os.path.join(b.local_path, rel), map_location="cpu", weights_only=True)
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), f"{rel}:{k} differs"
+    # the data traces of both launches: every global micro-batch up to the last step consumed, as in the
+    # uninterrupted run (the killed launch's steps after its checkpoint are trained again)
+    def trace(r):
+        consumed = {}
+        with open(r.root.join("reports", "data_trace_rank0.jsonl").path) as f:
+            for row in map(json.loads, f):
+                consumed.update(dict(map(tuple, row["consumed"])))
+        return consumed
+
+    assert trace(run) == trace(open_run(straight_job))
