@@ -51,6 +51,30 @@ def window_order(wave_packs: Sequence[int], window: int, seed: int, shuffle: boo
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+class _EpochOrders:
+    """``epoch_order`` of all packs per epoch, computed once; the orders of epochs before the previous one dropped."""
+
+    def __init__(self, num_packs: int, seed: int, shuffle: bool) -> None:
+        self.num_packs, self.seed, self.shuffle = num_packs, seed, shuffle
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            for old in [e for e in self._orders if e < epoch - 1]:
+                del self._orders[old]
+            self._orders[epoch] = epoch_order(self.num_packs, epoch, self.seed, self.shuffle)
+        return self._orders[epoch]
+
+
+def _epochs_from(position: int, per_epoch: int) -> Iterator[range]:
+    """The global micro-batches from ``position`` on, an epoch (of ``per_epoch``) at a time."""
+    epoch, offset = epoch_and_offset(position, per_epoch)
+    while True:
+        first = epoch * per_epoch
+        yield range(first + offset, first + per_epoch)
+        epoch, offset = epoch + 1, 0
+
+
 class FixedOrder:
     """Every epoch's order known up front (``epoch_order`` of all packs)."""
 
@@ -59,23 +83,15 @@ class FixedOrder:
         self.per_epoch = counts.num_packs // micro_batch_size
         if self.per_epoch <= 0:
             raise ValueError(f"the dataset holds {counts.num_packs} packs, no full micro-batch of {micro_batch_size}")
-        self._orders: dict[int, np.ndarray] = {}
+        self._orders = _EpochOrders(counts.num_packs, seed, shuffle)
 
     def packs_of(self, global_index: int) -> np.ndarray:
         epoch, k = epoch_and_offset(global_index, self.per_epoch)
-        if epoch not in self._orders:
-            for old in [e for e in self._orders if e < epoch - 1]:
-                del self._orders[old]
-            self._orders[epoch] = epoch_order(self.counts.num_packs, epoch, self.seed, self.shuffle)
-        return self._orders[epoch][k * self.mbs:(k + 1) * self.mbs]
+        return self._orders(epoch)[k * self.mbs:(k + 1) * self.mbs]
 
     def segments(self, start: int) -> Iterator[range]:
         """Runs of consecutive global micro-batches from ``start`` on, each read as one stream: an epoch each."""
-        epoch, offset = epoch_and_offset(start, self.per_epoch)
-        while True:
-            first = epoch * self.per_epoch
-            yield range(first + offset, first + self.per_epoch)
-            epoch, offset = epoch + 1, 0
+        return _epochs_from(start, self.per_epoch)
 
 
 @dataclass(frozen=True)
@@ -98,7 +114,7 @@ class WaveOrder:
         self._wait, self.mbs, self.window, self.seed, self.shuffle = wait, micro_batch_size, window, seed, shuffle
         self.state = wait(None)
         self._first = window_order(self.state.wave_packs, window, seed, shuffle, self.state.complete)
-        self._later: dict[int, np.ndarray] = {}
+        self._later: _EpochOrders | None = None
 
     @property
     def counts(self) -> PackCounts:
@@ -122,11 +138,9 @@ class WaveOrder:
         epoch, k = epoch_and_offset(global_index, per_epoch)
         if epoch == 0:
             return self._first[k * self.mbs:(k + 1) * self.mbs]
-        if epoch not in self._later:
-            for old in [e for e in self._later if e < epoch - 1]:
-                del self._later[old]
-            self._later[epoch] = epoch_order(self.counts.num_packs, epoch, self.seed, self.shuffle)
-        return self._later[epoch][k * self.mbs:(k + 1) * self.mbs]
+        if self._later is None:  # complete: every pack is known
+            self._later = _EpochOrders(self.counts.num_packs, self.seed, self.shuffle)
+        return self._later(epoch)[k * self.mbs:(k + 1) * self.mbs]
 
     def segments(self, start: int) -> Iterator[range]:
         """Runs of global micro-batches from ``start`` on: in epoch 0 what the committed windows fix (waiting for
@@ -139,9 +153,4 @@ class WaveOrder:
             end = self._known()
             yield range(position, end)
             position = end
-        per_epoch = self._known()
-        epoch, offset = epoch_and_offset(position, per_epoch)
-        while True:
-            first = epoch * per_epoch
-            yield range(first + offset, first + per_epoch)
-            epoch, offset = epoch + 1, 0
+        yield from _epochs_from(position, self._known())
