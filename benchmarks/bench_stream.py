@@ -6,9 +6,9 @@ one run: when the first and the last optimizer step happen after the job starts.
 Rows: the sample dataset at the dataset card's row lengths (``size_scale=1.0``), each split rewritten into
 ``--waves / 5`` shards so that ``enrich.wave_rows`` cuts the input into ``--waves`` waves of whole files; the demo
 config otherwise (tiny Mistral, pp 2, the embedded local Ray), no context corpus, ``dataset.seq_len`` 4,096 as in the
-7B configs. One wave runs first, then the streamed run, each with its own embedded Ray and Spark (`run_sft`, what
-`raytrain run` calls). The times are from the runs' own records: the job's start in this process, each step's
-``finished_unix_s`` in metrics.jsonl.
+7B configs. One wave runs first, then the streamed run, each a `raytrain run` process of its own (its embedded Ray
+and Spark; the frameworks' output in the run's log file). The times are from submit (the process's start) to each
+step's ``finished_unix_s`` in the run's metrics.jsonl.
 
 The lines a script reads, exactly in this form:
     time to first step: streamed S1 s, one wave S2 s, ratio R1
@@ -29,11 +29,13 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -59,26 +61,29 @@ def reshard(sample_dir: str, shards: int) -> None:
             pq.write_table(table.slice(i * per, per), os.path.join(data, f"{prefix}-{i:05d}-of-{shards:05d}.parquet"))
 
 
-def timed_run(job) -> dict:
-    """run_sft(job), timed from this call: the steps' finish times and the waves' records."""
-    from raytrain.runner import open_run, run_sft
+def timed_run(job, overrides: list[str]) -> dict:
+    """`raytrain run` of ``job`` (the demo config and ``overrides``) in a process of its own, timed from its start
+    (submit): the steps' finish times, the waves' records and the kept rows, from the run folder."""
+    import pyarrow.parquet as pq
+
+    from raytrain.runner import open_run
 
     t0 = time.time()
-    run_sft(job)
+    done = subprocess.run([sys.executable, "-m", "raytrain.cli", "run", "configs/demo.yaml", *overrides], cwd=REPO,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"raytrain run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
     run = open_run(job)
     with open(run.root.join("reports", "metrics.jsonl").path) as f:
         steps = [json.loads(line) for line in f]
-    waves = run.paths.waves
-    enriched = [json.loads(waves.join(n).read_text()) for n in sorted(waves.listdir()) if n.endswith(".json")] \
-        if waves.exists() else []
-    packed = run.paths.packed.join("waves")
-    packs = [json.loads(packed.join(n).read_text()) for n in sorted(packed.listdir()) if n.endswith(".json")] \
-        if packed.exists() else []
-    import pyarrow.parquet as pq
+
+    def records(folder) -> list[dict]:
+        return [json.loads(folder.join(n).read_text()) for n in sorted(folder.listdir()) if n.endswith(".json")] \
+            if folder.exists() else []
 
     kept = set(pq.read_table(run.paths.enriched.path, columns=["uuid"]).column("uuid").to_pylist())
     return {"start": t0, "first": steps[0]["finished_unix_s"] - t0, "last": steps[-1]["finished_unix_s"] - t0,
-            "enriched": enriched, "packed": packs, "kept": kept}
+            "enriched": records(run.paths.waves), "packed": records(run.paths.packed.join("waves")), "kept": kept}
 
 
 def main() -> int:
@@ -102,16 +107,18 @@ def main() -> int:
     reshard(sample, args.waves // SPLITS)
     wave_rows = args.rows // args.waves
 
-    def job(name: str, waves: int):
-        return load_job_config(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml"), [
-            f"storage.root={out}/runs", f"storage.run_name={name}", f"input.path={sample}",
-            f"enrich.wave_rows={waves}", "enrich.context_corpus=[]", "enrich.eval_sets=[]",
-            f"dataset.seq_len={args.seq_len}", f"train.max_steps={args.steps}", f"train.checkpoint_every={args.steps}",
-            f"train.eval_every={args.steps}", "train.generation_tokens=0"])
+    def overrides(name: str, waves: int) -> list[str]:
+        return [f"storage.root={out}/runs", f"storage.run_name={name}", f"input.path={sample}",
+                f"enrich.wave_rows={waves}", "enrich.context_corpus=[]", "enrich.eval_sets=[]",
+                f"dataset.seq_len={args.seq_len}", f"train.max_steps={args.steps}",
+                f"train.checkpoint_every={args.steps}", f"train.eval_every={args.steps}", "train.generation_tokens=0"]
 
-    one = timed_run(job("one-wave", 0))
-    streamed_job = job("streamed", wave_rows)
-    streamed = timed_run(streamed_job)
+    def timed(name: str, waves: int):
+        job = load_job_config(os.path.join(REPO, "configs", "demo.yaml"), overrides(name, waves))
+        return job, timed_run(job, overrides(name, waves))
+
+    _, one = timed("one-wave", 0)
+    streamed_job, streamed = timed("streamed", wave_rows)
     print(f"time to first step: streamed {streamed['first']:.1f} s, one wave {one['first']:.1f} s, ratio "
           f"{streamed['first'] / one['first']:.2f}")
     print(f"time to last step: streamed {streamed['last']:.1f} s, one wave {one['last']:.1f} s, ratio "

@@ -417,11 +417,8 @@ def _enrich_pack_and_train(run: Run, max_failures: int) -> dict[str, Any]:
     job = run.job
     if not job.enrich.wave_rows or _preference(job):
         return _train(run, run_enrich_and_pack(run), max_failures)
-    from raytrain.streamed import enrich_and_train, packed_streamed, streamed_waves
+    from raytrain.streamed import enrich_and_train, streamed_waves
 
-    done = packed_streamed(run.paths.packed, run.data_hash, job.train.shuffle_window_waves)
-    if done is not None:
-        return _train(run, done, max_failures)
     if load_packed(run.paths.packed, run.data_hash) is None:
         from raytrain.enrich.plan import plan_enrichment
 

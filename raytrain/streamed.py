@@ -18,7 +18,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from raytrain.dataset.stream import PackedData
 from raytrain.dataset.wave_packs import (
     WAVES,
     WaveRecords,
@@ -29,7 +28,7 @@ from raytrain.dataset.wave_packs import (
     wave_fraction,
 )
 from raytrain.errors import RaytrainError
-from raytrain.storage import MANIFEST, StorageLocation
+from raytrain.storage import StorageLocation
 
 if TYPE_CHECKING:
     from raytrain.enrich.plan import EnrichPlan
@@ -49,13 +48,6 @@ def streamed_waves(plan: EnrichPlan, wave_rows: int) -> int:
     return len(plan_waves(input_files(plan.inputs.files, rows), wave_rows))
 
 
-def packed_streamed(packed: StorageLocation, data_hash: str, window: int) -> PackedData | None:
-    """A streamed run's packs when every wave is packed already (a finished enrichment); None otherwise."""
-    manifest = packed.join(MANIFEST)
-    if not manifest.exists() or "waves" not in json.loads(manifest.read_text()):
-        return None
-    waves = read_wave_records(packed, data_hash)
-    return streamed_packs(packed, waves, window) if waves.complete else None
 
 
 def enrich_and_train(run: Run, plan: EnrichPlan, input_root: StorageLocation, eval_sets: tuple[str, ...],
@@ -88,7 +80,7 @@ def enrich_and_train(run: Run, plan: EnrichPlan, input_root: StorageLocation, ev
             result = run_enrich(job, input_root, run.root, eval_sets=eval_sets, plan=plan, on_wave=on_wave)
             write_report(run, "enrich_report.json", result.report)
             records.extend(f.result() for f in packing)
-            finish_waves(packed, records, job.dataset, data_hash, fraction)
+            finish_waves(packed, records, job.dataset, data_hash, fraction, job.train.shuffle_window_waves)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, and to the waiting workers
             outcome["error"] = e
             failed.write_atomic(json.dumps({"error": f"{type(e).__name__}: {e}"}))

@@ -131,6 +131,11 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
             f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
             "Use a new storage.run_name, or the settings the run was started with.")
     log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
+    if "waves" in existing:  # a streamed run's packs, wave by wave (raytrain.dataset.wave_packs)
+        from raytrain.dataset.wave_packs import read_wave_records, streamed_packs
+
+        return streamed_packs(packed, read_wave_records(packed, data_hash), existing["validation"]["waves"])
+
     def subset(name: str) -> PackedData | None:
         entry = existing.get(name) or {}
         if not entry.get("num_packs"):

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.parquet as pq
 import ray
 
 from raytrain.config import DatasetConfig
@@ -36,6 +37,7 @@ from raytrain.dataset.stream import (
     _parquet_files,
     _rows_of_role,
     benchmark_conversations,
+    validation_mask,
 )
 from raytrain.errors import RaytrainError
 from raytrain.storage import MANIFEST, StorageLocation
@@ -78,7 +80,10 @@ def pack_wave(enriched_wave: StorageLocation, packed: StorageLocation, index: in
     files = _parquet_files(enriched_wave) if enriched_wave.exists() else []
     weights = cfg.weights()
     train = validation = None
+    rows = held_rows = 0
     if files:
+        uuids = pq.read_table(files, filesystem=enriched_wave.filesystem, columns=["uuid"]).column("uuid").to_pylist()
+        rows, held_rows = len(uuids), int(validation_mask(uuids, fraction).sum())
         columns = [*TOKENIZED_COLUMNS, "split"] if weights else list(TOKENIZED_COLUMNS)
         ds = ray.data.read_parquet(files, filesystem=enriched_wave.filesystem, columns=columns)
         ds.context.execution_options.preserve_order = True  # the same rows give the same packs (stream.py)
@@ -89,7 +94,8 @@ def pack_wave(enriched_wave: StorageLocation, packed: StorageLocation, index: in
             validation = _pack(ds.map_batches(_rows_of_role, batch_format="pandas",
                                               fn_kwargs={**role, "validation": True}), held_out, cfg)
     record = {"wave": index, "data_hash": data_hash, "enriched_files": len(files),
-              **_relative(_entry(train), name), "validation": _relative(_entry(validation), f"validation/{name}")}
+              **_relative(_entry(train, rows=rows - held_rows), name),
+              "validation": _relative(_entry(validation, rows=held_rows), f"validation/{name}")}
     if index == 0:
         record["benchmark"] = _pack_benchmark(packed, cfg, eval_records)
     record["seconds"] = round(time.perf_counter() - t0, 2)
@@ -171,13 +177,19 @@ def streamed_packs(packed: StorageLocation, waves: WaveRecords, window: int) -> 
 
 
 def finish_waves(packed: StorageLocation, records: list[dict[str, Any]], cfg: DatasetConfig, data_hash: str,
-                 fraction: float) -> None:
+                 fraction: float, window: int) -> None:
     """Write the packed set's manifest once every wave is packed (module docstring)."""
     files = [name for r in records for name in r["files"]]
+    held = validation_of(packed, tuple(records), window)
+    first = [r["validation"] for r in records[:window]]
     manifest = {"data_hash": data_hash, "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer, "files": files,
-                "num_packs": sum(r["num_packs"] for r in records),
+                "num_packs": sum(r["num_packs"] for r in records), "rows": sum(r["rows"] for r in records),
                 "num_real_tokens": sum(r["num_real_tokens"] for r in records),
                 "waves": [r["num_packs"] for r in records], "validation_fraction": fraction,
+                # the validation set the trainer evaluates on: the held-out packs of the first window of waves
+                "validation": {"num_packs": held.num_packs if held else 0, "rows": sum(e["rows"] for e in first),
+                               "files": [n for e in first for n in e["files"]], "fraction": fraction,
+                               "waves": len(first)},
                 "benchmark": records[0].get("benchmark") if records else _entry(None)}
     packed.join(MANIFEST).write_atomic(json.dumps(manifest, indent=2))
     log.info("dataset: %d waves packed: %d training sequences of %d tokens", len(records), manifest["num_packs"],

@@ -116,6 +116,17 @@ def test_streamed_run_trains_before_the_last_wave_and_waits_for_it(streamed_run)
             assert [d for row in map(json.loads, f) for _, d in sorted(row["consumed"])] == expected, rank
     lines = "\n".join(run_summary_lines(run.root.uri))
     assert "streamed     3 waves packed" in lines and f"{len(records)} trained through" not in lines
+    assert f"from {manifest['rows']} rows, {manifest['validation']['num_packs']} held out" in lines
+
+    # a later launch of the run (resume, `raytrain train`) reads the finished waves in the same order, with the
+    # first window's held-out packs as its validation set
+    from raytrain.dataset.stream import load_packed
+
+    again = load_packed(run.paths.packed, job.data_hash())
+    assert again.waves == tuple(manifest["waves"]) and again.complete and again.num_packs == len(doc_ids)
+    assert again.validation.num_packs == records[0]["validation"]["num_packs"] == manifest["validation"]["num_packs"]
+    report = json.load(open(run.root.join("reports", "enrich_report.json").path))
+    assert manifest["rows"] + sum(r["validation"]["rows"] for r in records) == report["rows_out"]
 
 
 def test_streamed_run_keeps_quarantines_and_packs_what_one_wave_does(streamed_run, demo_data):
