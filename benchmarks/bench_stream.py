@@ -16,9 +16,9 @@ The lines a script reads, exactly in this form:
     kept rows equal: True
 
 Then the extrapolation to the full dataset on a cluster, from the streamed run's measured rates: the enrichment's
-rows/s per Spark core (the waves' rows over their enrichment seconds, over the executors' cores), a wave's fixed
-cost (its seconds less its rows at that rate), the packing seconds per wave, and the time from the job's start to
-the first wave's commit less that wave's enrichment (Spark's start, planning). On a 64-core head node with 8 GPUs,
+rows/s per Spark core (the waves' rows over their enrichment seconds, over the executors' cores; a wave's fixed
+cost is inside it, and on this machine the trainer shares the cores), the packing seconds per wave, and the time
+from the job's start to the first wave's commit less that wave's enrichment (Spark's start, planning). On a 64-core head node with 8 GPUs,
 56 cores enriching (8 left to the trainer's data reads), waves of ``--cluster-wave-rows`` rows: the first step
 comes after the start, one wave's enrichment and packing, and the trainer's start (measured here).
 """
@@ -128,19 +128,17 @@ def main() -> int:
     waves, packs = streamed["enriched"], streamed["packed"]
     cores = streamed_job.enrich.num_executors * streamed_job.enrich.executor_cores
     rows, seconds = sum(w["rows_in"] for w in waves), sum(w["seconds"] for w in waves)
-    # per-row rate and per-wave constant from a least-squares line through the waves' (rows, seconds)
-    import numpy as np
-
-    x, y = np.array([w["rows_in"] for w in waves], float), np.array([w["seconds"] for w in waves], float)
-    slope, constant = np.polyfit(x, y, 1) if len(set(x)) > 1 else (seconds / rows, 0.0)
-    per_core = 1.0 / (slope * cores) if slope > 0 else rows / seconds / cores
-    pack_s = float(np.mean([p["seconds"] for p in packs]))
+    # the waves' whole time over their rows: any fixed cost of a wave is inside this rate (the waves are the same
+    # size here, so it cannot be told apart; each wave's seconds are printed)
+    per_core = rows / seconds / cores
+    pack_s = sum(p["seconds"] for p in packs) / len(packs)
     start_s = waves[0]["committed_unix_s"] - streamed["start"] - waves[0]["seconds"]
     trainer_start_s = streamed["first"] - (packs[0]["committed_unix_s"] - streamed["start"])
-    print(f"measured: {len(waves)} waves of ~{wave_rows} rows, {per_core:.1f} rows/s per Spark core, "
-          f"{max(constant, 0.0):.1f} s fixed per wave, packing {pack_s:.1f} s per wave; start to the first wave "
-          f"{start_s:.1f} s; trainer start to its first step {trainer_start_s:.1f} s")
-    wave_s = max(constant, 0.0) + args.cluster_wave_rows / (per_core * CLUSTER_ENRICH_CORES)
+    took = ", ".join(f"{w['seconds']:.0f}" for w in waves)
+    print(f"measured: {len(waves)} waves of ~{wave_rows} rows in {took} s "
+          f"= {per_core:.1f} rows/s per Spark core; packing {pack_s:.1f} s per wave; start to the first wave "
+          f"{start_s:.1f} s; first wave packed to the first step {trainer_start_s:.1f} s")
+    wave_s = args.cluster_wave_rows / (per_core * CLUSTER_ENRICH_CORES)
     first = start_s + wave_s + pack_s + trainer_start_s
     total_h = (FULL_ROWS / args.cluster_wave_rows) * wave_s / 3600
     print(f"extrapolated to {FULL_ROWS:,} rows on a {CLUSTER_CORES}-core head node with {CLUSTER_GPUS} GPUs "

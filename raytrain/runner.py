@@ -428,7 +428,8 @@ def _enrich_pack_and_train(run: Run, max_failures: int) -> dict[str, Any]:
         plan = _PLANS.pop(key, None) or plan_enrichment(job, input_root, eval_sets)
         if streamed_waves(plan, job.enrich.wave_rows) > 1:
             return enrich_and_train(run, plan, input_root, eval_sets,
-                                    lambda run, packed: _train(run, packed, max_failures))
+                                    lambda run, packed: _train(run, packed, max_failures),
+                                    lambda name, report: write_report(run, name, report))
         _PLANS[key] = plan  # one wave: enriched and packed as without waves
     return _train(run, run_enrich_and_pack(run), max_failures)
 

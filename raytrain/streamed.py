@@ -15,10 +15,12 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from raytrain.dataset.wave_packs import (
+    FAILED,
     WAVES,
     WaveRecords,
     finish_waves,
@@ -31,13 +33,10 @@ from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation
 
 if TYPE_CHECKING:
+    from raytrain.dataset.stream import PackedData
     from raytrain.enrich.plan import EnrichPlan
-    from raytrain.runner import Run
 
 log = logging.getLogger(__name__)
-
-FAILED = "_failed.json"
-"""Under data/packed/waves/: written when the enrichment of a streamed run fails, so waiting workers stop too."""
 
 
 def streamed_waves(plan: EnrichPlan, wave_rows: int) -> int:
@@ -50,12 +49,14 @@ def streamed_waves(plan: EnrichPlan, wave_rows: int) -> int:
 
 
 
-def enrich_and_train(run: Run, plan: EnrichPlan, input_root: StorageLocation, eval_sets: tuple[str, ...],
-                     train: Any) -> dict[str, Any]:
-    """Enrich and pack wave by wave in a thread, start ``train(run, packed)`` on the first window of waves, then
-    wait for the enrichment; returns train's summary. An error of either side is raised here."""
+def enrich_and_train(run: Any, plan: EnrichPlan, input_root: StorageLocation, eval_sets: tuple[str, ...],
+                     train: Callable[[Any, PackedData], dict[str, Any]],
+                     write_report: Callable[[str, dict[str, Any]], Any]) -> dict[str, Any]:
+    """Enrich and pack ``run``'s (a raytrain.runner.Run) waves in a thread, start ``train(run, packed)`` on the first
+    window of waves, then wait for the enrichment; returns train's summary, with the waves, written again by
+    ``write_report(name, report)`` (which also writes the enrichment's report). An error of either side is raised
+    here."""
     from raytrain.enrich.job import run_enrich
-    from raytrain.runner import write_report
 
     job, packed, data_hash = run.job, run.paths.packed, run.data_hash
     fraction = wave_fraction(job.dataset, plan.rows_in)
@@ -78,7 +79,7 @@ def enrich_and_train(run: Run, plan: EnrichPlan, input_root: StorageLocation, ev
     def enrich() -> None:
         try:
             result = run_enrich(job, input_root, run.root, eval_sets=eval_sets, plan=plan, on_wave=on_wave)
-            write_report(run, "enrich_report.json", result.report)
+            write_report("enrich_report.json", result.report)
             records.extend(f.result() for f in packing)
             finish_waves(packed, records, job.dataset, data_hash, fraction, job.train.shuffle_window_waves)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, and to the waiting workers
@@ -90,7 +91,7 @@ def enrich_and_train(run: Run, plan: EnrichPlan, input_root: StorageLocation, ev
     thread = threading.Thread(target=enrich, name="raytrain-enrich", daemon=True)
     thread.start()
     waves = _first_window(packed, data_hash, job.train.shuffle_window_waves, thread, outcome)
-    log.info("stream: training starts on %d of the waves (%d sequences) while the enrichment goes on",
+    log.info("stream: training starts on %d packed wave(s) (%d sequences) while the enrichment goes on",
              len(waves.records), sum(waves.wave_packs))
     summary = train(run, streamed_packs(packed, waves, job.train.shuffle_window_waves))
     thread.join()
@@ -98,7 +99,7 @@ def enrich_and_train(run: Run, plan: EnrichPlan, input_root: StorageLocation, ev
         raise outcome["error"]
     summary.update(num_packs=sum(r["num_packs"] for r in records), waves=[r["num_packs"] for r in records],
                    waves_at_start=len(waves.records))
-    write_report(run, "run_summary.json", summary)
+    write_report("run_summary.json", summary)
     return summary
 
 

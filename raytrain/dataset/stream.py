@@ -11,6 +11,7 @@ trains. Validation rows are packed like training rows (same length policy) under
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -131,10 +132,16 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
             f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
             "Use a new storage.run_name, or the settings the run was started with.")
     log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
-    if "waves" in existing:  # a streamed run's packs, wave by wave (raytrain.dataset.wave_packs)
-        from raytrain.dataset.wave_packs import read_wave_records, streamed_packs
+    if "waves" in existing:  # a streamed run's packs, wave by wave (raytrain.dataset.wave_packs): paths relative to
+        # data/packed/, its validation set the first window's held-out packs
+        def entry(e: dict[str, Any], folder: StorageLocation) -> PackedData | None:
+            return PackedData(folder, tuple(folder.join(n).path for n in e["files"]), e["num_packs"],
+                              e["num_real_tokens"]) if e.get("num_packs") else None
 
-        return streamed_packs(packed, read_wave_records(packed, data_hash), existing["validation"]["waves"])
+        train = entry(existing, packed)
+        return dataclasses.replace(train, validation=entry(existing["validation"], packed),
+                                   benchmark=entry(existing["benchmark"], packed.join("benchmark")),
+                                   waves=tuple(existing["waves"]), complete=True)
 
     def subset(name: str) -> PackedData | None:
         entry = existing.get(name) or {}

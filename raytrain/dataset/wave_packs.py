@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 WAVES = "waves"
 """Folder of the wave commit records under data/packed/."""
+FAILED = "_failed.json"
+"""Under data/packed/waves/: written when the enrichment of a streamed run fails, so waiting workers stop too."""
 
 
 def wave_name(index: int) -> str:
@@ -131,7 +133,7 @@ def read_wave_records(packed: StorageLocation, data_hash: str, known: int = 0,
                       earlier: tuple[dict[str, Any], ...] = ()) -> WaveRecords:
     """The commit records of waves 0, 1, ... up to the first one missing (``earlier``: the first ``known`` of them,
     read before), and whether the enrichment packed its last wave."""
-    failed = packed.join(WAVES, "_failed.json")
+    failed = packed.join(WAVES, FAILED)
     if failed.exists():
         raise RaytrainError(f"the enrichment of this streamed run failed ({json.loads(failed.read_text())['error']}); "
                             "its error is in the driver's output")
@@ -188,6 +190,7 @@ def finish_waves(packed: StorageLocation, records: list[dict[str, Any]], cfg: Da
                 "waves": [r["num_packs"] for r in records], "validation_fraction": fraction,
                 # the validation set the trainer evaluates on: the held-out packs of the first window of waves
                 "validation": {"num_packs": held.num_packs if held else 0, "rows": sum(e["rows"] for e in first),
+                               "num_real_tokens": held.num_real_tokens if held else 0,
                                "files": [n for e in first for n in e["files"]], "fraction": fraction,
                                "waves": len(first)},
                 "benchmark": records[0].get("benchmark") if records else _entry(None)}

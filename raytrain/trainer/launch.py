@@ -212,8 +212,8 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         # must see the same micro-batches (ray#60439). Each reading worker streams exactly its replica's packs with
         # Ray Data itself (raytrain.trainer.feed, raytrain.dataset.stream.stream_micro_batches).
     )
-    streaming = "" if packed.complete else (f" of {len(packed.waves or ())} waves (more as the enrichment commits "
-                                            "them)")
+    streaming = "" if packed.complete else (f" (waves 1-{len(packed.waves or ())}; the next as the enrichment "
+                                            "commits them)")
     log.info("train: starting %d Ray Train workers (pp %d x dp %d) for %d steps on %d packed sequences%s%s",
              tc.num_workers, tc.pp, tc.dp, tc.stop_at_step or tc.max_steps, num_packs, streaming,
              f", eval on {validation.num_packs} held out" if validation is not None else "")

@@ -30,7 +30,7 @@ def test_the_enrichment_uses_the_plan_preflight_made(tmp_path, monkeypatch):
         yield "spark"
 
     monkeypatch.setattr("raytrain.enrich.spark.spark_session", no_spark)
-    monkeypatch.setattr(job, "enrich_in_session", lambda spark, j, i, r, plan: used.append(plan) or "result")
+    monkeypatch.setattr(job, "enrich_in_session", lambda spark, j, i, r, plan, on_wave: used.append(plan) or "result")
     early = runner._PLANS[(run.root.uri, cfg.config_hash())]
     input_root = runner.stage_input(run)
     got = job.run_enrich(cfg, input_root, run.root, eval_sets=runner.eval_set_paths(run, input_root),
