@@ -47,8 +47,6 @@ def streamed_waves(plan: EnrichPlan, wave_rows: int) -> int:
     return len(plan_waves(input_files(plan.inputs.files, rows), wave_rows))
 
 
-
-
 def enrich_and_train(run: Any, plan: EnrichPlan, input_root: StorageLocation, eval_sets: tuple[str, ...],
                      train: Callable[[Any, PackedData], dict[str, Any]],
                      write_report: Callable[[str, dict[str, Any]], Any]) -> dict[str, Any]:
