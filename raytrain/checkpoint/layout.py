@@ -99,9 +99,11 @@ def live_leased_steps(leases: Iterable[Mapping[str, object]], now_unix_s: float)
 
 
 def is_payload_file(relpath: str) -> bool:
-    """True for a checkpoint's own files; False for the manifest and the store's staging sidecars."""
+    """True for a checkpoint's own files; False for the manifest and the store's staging sidecars, including a
+    sidecar another rank is writing at that moment (storage's atomic write names its temporary file
+    ``.<name>.tmp-<pid>-<hex>``: ``..raytrain-upload-...``, gone once renamed)."""
     base = relpath.rsplit("/", 1)[-1]
-    return relpath != MANIFEST_NAME and not base.startswith(SIDECAR_PREFIX)
+    return relpath != MANIFEST_NAME and not base.startswith((SIDECAR_PREFIX, "." + SIDECAR_PREFIX))
 
 
 def best_step(metric_by_step: Mapping[int, float], mode: str) -> int | None:

@@ -69,6 +69,31 @@ def test_commit_layout_manifest_and_latest(run):
         assert open(os.path.join(out, rel), "rb").read() == data
 
 
+def test_a_sidecar_another_rank_is_writing_is_not_hashed_as_a_checkpoint_file(run, monkeypatch):
+    """Ranks hash their shares of the staged files at once; a fast rank's sidecar, mid-write, sits in the folder under
+    the atomic writer's temporary name and is renamed away a moment later. A slower rank whose listing caught it
+    must not take it for a checkpoint file (seen on CI: 'no file here'). The temporary name is the one storage's
+    atomic write really uses (captured from its os.replace); the listing that still holds it is replayed."""
+    from raytrain.storage import StorageLocation, _posix_write_atomic
+
+    store = CheckpointStore(run)
+    staging = store.staging_dir(3)
+    written = _write_rank_files(staging, 3)
+    sidecar = os.path.join(staging, ".raytrain-upload-rank1-abcd1234.json")
+    names = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda tmp, dst: names.append(os.path.basename(tmp)) or real_replace(tmp, dst))
+    _posix_write_atomic(sidecar, b"{}")
+    monkeypatch.undo()
+    os.remove(sidecar)  # this world is rank 0 alone: rank 1's sidecar only passed through
+    real_list = StorageLocation.list_files
+    monkeypatch.setattr(StorageLocation, "list_files", lambda loc: {**real_list(loc), names[0]: 1})
+    store.hash_share(3, rank=0, world=1)  # raised 'no file here' on the vanished temporary file
+    monkeypatch.undo()
+    store.commit(3, {"metrics": {}})
+    assert set(store.latest().manifest["files"]) == set(written)
+
+
 def test_commit_with_nothing_staged_is_an_error(run):
     store = CheckpointStore(run)
     store.staging_dir(5)
