@@ -198,16 +198,16 @@ def run_summary_lines(run_uri: str) -> list[str]:
 
 def _waves_lines(rdir: StorageLocation) -> list[str]:
     """The committed waves of a streamed enrichment (raytrain.enrich.waves), while it runs and after."""
-    folder = RunPaths(rdir).waves
-    records = [r for r in (_read_json(folder.join(n)) for n in folder.listdir()
-                           if n.startswith("wave-") and n.endswith(".json")) if r]
+    def wave_records(folder: StorageLocation) -> list[dict]:
+        return [r for r in (_read_json(folder.join(n)) for n in sorted(folder.listdir())
+                            if n.startswith("wave-") and n.endswith(".json")) if r]
+
+    records = wave_records(RunPaths(rdir).waves)
     if not records:
         return []
     lines = [f"  waves        {len(records)} enriched and committed: {sum(r['rows_in'] for r in records)} rows in -> "
              f"{sum(r['kept'] for r in records)} kept, {sum(r['quarantined'] for r in records)} quarantined"]
-    packed = RunPaths(rdir).packed.join("waves")
-    wave_packs = [r["num_packs"] for r in (_read_json(packed.join(n)) for n in sorted(packed.listdir())
-                                           if n.startswith("wave-") and n.endswith(".json")) if r]
+    wave_packs = [r["num_packs"] for r in wave_records(RunPaths(rdir).packed.join("waves"))]
     if wave_packs:
         lines.append(f"  streamed     {len(wave_packs)} waves packed ({sum(wave_packs)} sequences), "
                      f"{_waves_trained(rdir, wave_packs)} trained through")

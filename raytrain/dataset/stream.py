@@ -132,27 +132,24 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
             f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
             "Use a new storage.run_name, or the settings the run was started with.")
     log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
+    train = PackedData(packed, tuple(packed.join(n).path for n in existing["files"]), existing["num_packs"],
+                       existing["num_real_tokens"])
     if "waves" in existing:  # a streamed run's packs, wave by wave (raytrain.dataset.wave_packs): paths relative to
         # data/packed/, its validation set the first window's held-out packs
-        def entry(e: dict[str, Any], folder: StorageLocation) -> PackedData | None:
-            return PackedData(folder, tuple(folder.join(n).path for n in e["files"]), e["num_packs"],
-                              e["num_real_tokens"]) if e.get("num_packs") else None
-
-        train = entry(existing, packed)
-        return dataclasses.replace(train, validation=entry(existing["validation"], packed),
-                                   benchmark=entry(existing["benchmark"], packed.join("benchmark")),
+        return dataclasses.replace(train, validation=packed_entry(existing["validation"], packed),
+                                   benchmark=packed_entry(existing["benchmark"], packed.join("benchmark")),
                                    waves=tuple(existing["waves"]), complete=True)
+    return dataclasses.replace(train, validation=packed_entry(existing.get("validation") or {}, packed.join("validation")),
+                               benchmark=packed_entry(existing.get("benchmark") or {}, packed.join("benchmark")))
 
-    def subset(name: str) -> PackedData | None:
-        entry = existing.get(name) or {}
-        if not entry.get("num_packs"):
-            return None
-        folder = packed.join(name)
-        return PackedData(folder, tuple(folder.join(n).path for n in entry["files"]), entry["num_packs"],
-                          entry["num_real_tokens"])
 
-    return PackedData(packed, tuple(packed.join(n).path for n in existing["files"]), existing["num_packs"],
-                      existing["num_real_tokens"], subset("validation"), subset("benchmark"))
+def packed_entry(entry: dict[str, Any], folder: StorageLocation) -> PackedData | None:
+    """A manifest entry (``_entry``'s: files relative to ``folder``, packs, real tokens) as PackedData; None when it
+    holds no pack."""
+    if not entry.get("num_packs"):
+        return None
+    return PackedData(folder, tuple(folder.join(n).path for n in entry["files"]), entry["num_packs"],
+                      entry["num_real_tokens"])
 
 
 def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig, pairs: bool = False) -> PackedData | None:

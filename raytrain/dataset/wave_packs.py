@@ -37,6 +37,7 @@ from raytrain.dataset.stream import (
     _parquet_files,
     _rows_of_role,
     benchmark_conversations,
+    packed_entry,
     validation_mask,
 )
 from raytrain.errors import RaytrainError
@@ -161,12 +162,7 @@ def validation_of(packed: StorageLocation, records: tuple[dict[str, Any], ...], 
 
 
 def benchmark_of(packed: StorageLocation, records: tuple[dict[str, Any], ...]) -> PackedData | None:
-    entry = records[0].get("benchmark") if records else None
-    if not entry or not entry["num_packs"]:
-        return None
-    folder = packed.join("benchmark")
-    return PackedData(folder, tuple(folder.join(n).path for n in entry["files"]), entry["num_packs"],
-                      entry["num_real_tokens"])
+    return packed_entry((records[0].get("benchmark") or {}) if records else {}, packed.join("benchmark"))
 
 
 def streamed_packs(packed: StorageLocation, waves: WaveRecords, window: int) -> PackedData:
