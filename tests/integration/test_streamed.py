@@ -35,9 +35,10 @@ STREAM_STEPS = 8
 def streamed_run(demo_data, ray_local, tmp_path_factory):
     """The demo's sample enriched in 3 waves by `run_sft`, 8 steps of 8 packs trained on the waves packed so far.
 
-    The test holds the last wave's packing back (a wrapper around raytrain.streamed.pack_wave, real packing after
-    it) until the trainer has trained every step the first two waves give: so the trainer catches up with the
-    enrichment and must wait for the last wave, on any machine."""
+    The test holds packing back (a wrapper around raytrain.streamed.pack_wave, real packing after it): wave 1's
+    until the trainer has trained step 1, the last wave's until it has trained every step the first two waves give;
+    so the first step comes before the later waves are packed, and the trainer catches up with the enrichment and
+    must wait for the last wave, on any machine, however fast the enrichment."""
     import time
 
     from raytrain import streamed
@@ -54,13 +55,16 @@ def streamed_run(demo_data, ray_local, tmp_path_factory):
     real_pack_wave = streamed.pack_wave
 
     def pack_wave(enriched_wave, packed, index, *args, **kwargs):
-        if index == 2:  # the last wave: wait until the steps of waves 0 and 1 are trained
-            earlier = [json.loads(packed.join(WAVES, f"wave-{w:05d}.json").read_text())["num_packs"] for w in (0, 1)]
-            held["steps_before"] = sum(earlier) // global_batch
+        # wave 1: wait until step 1 is trained; wave 2 (the last): until every step of waves 0 and 1 is
+        if index in (1, 2):
+            earlier = [json.loads(packed.join(WAVES, f"wave-{w:05d}.json").read_text())["num_packs"]
+                       for w in range(index)]
+            held[f"steps_before_{index}"] = sum(earlier) // global_batch
+            wait_for = 1 if index == 1 else held["steps_before_2"]
             deadline = time.monotonic() + 900
             while time.monotonic() < deadline:
                 done = _metrics(run) if run.root.join("reports", "metrics.jsonl").exists() else []
-                if len(done) >= held["steps_before"]:
+                if len(done) >= wait_for:
                     break
                 time.sleep(0.5)
         return real_pack_wave(enriched_wave, packed, index, *args, **kwargs)
@@ -97,7 +101,8 @@ def test_streamed_run_trains_before_the_last_wave_and_waits_for_it(streamed_run)
     # from the run's own records: the first step finished before waves 1 and 2 were packed; every step that the
     # first two waves give was trained before the last wave was packed, then the trainer waited for it
     assert metrics[1]["finished_unix_s"] < records[1]["committed_unix_s"] < records[2]["committed_unix_s"]
-    last_wave_step = held["steps_before"] + 1
+    assert held["steps_before_1"] >= 1  # wave 0 alone gives step 1
+    last_wave_step = held["steps_before_2"] + 1
     assert last_wave_step <= STREAM_STEPS  # the run needs the last wave
     assert metrics[last_wave_step - 1]["finished_unix_s"] < records[2]["committed_unix_s"]
     assert metrics[last_wave_step]["waited_for_waves_s"] > metrics[last_wave_step - 1]["waited_for_waves_s"]
@@ -171,7 +176,8 @@ def test_streamed_run_keeps_quarantines_and_packs_what_one_wave_does(streamed_ru
 
 def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local, tmp_path_factory):
     """The streamed run's config in a driver process of its own (`raytrain run` on this module's Ray), SIGKILLed
-    once its first checkpoint is committed, while waves are still being enriched; launched again (here): the
+    once its first checkpoint is committed, while waves are still being enriched (tests/held_stream_driver.py holds
+    the enrichment after wave 1 until that checkpoint); launched again (here): the
     enrichment goes on from its first uncommitted wave (no wave enriched twice), training from the checkpoint, and
     the losses and final weights equal the uninterrupted streamed run's, bit for bit."""
     import signal
@@ -190,8 +196,10 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
     run = open_run(job)
     _reuse_corpus_table(open_run(straight_job), run)
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS=ray_local.get_runtime_context().gcs_address)
-    driver = subprocess.Popen([sys.executable, "-m", "raytrain.cli", "run", "configs/demo.yaml", *overrides],
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # `raytrain run`, its enrichment held after wave 1 until the first checkpoint: killed then, it is mid-stream
+    driver = subprocess.Popen([sys.executable, os.path.join(repo, "tests", "held_stream_driver.py"),
+                               "configs/demo.yaml", *overrides], cwd=repo,
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     enrich_records = run.root.join("data", "waves")
     try:
