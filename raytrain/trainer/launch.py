@@ -24,7 +24,7 @@ from raytrain.storage import RunPaths, StorageLocation, resolve
 from raytrain.trainer.evaluation import PackedFiles
 from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
 from raytrain.trainer.preference import reference_key
-from raytrain.trainer.schedule import check_enough_packs
+from raytrain.trainer.schedule import check_data_order, check_enough_packs
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,13 @@ class StopOnUnretryableError(ray.train.UserCallback):
             raise type(refused)(str(refused))
 
 
-def _starting_weights(job: JobConfig, run_root: StorageLocation) -> dict[str, Any]:
+def _starting_weights(job: JobConfig, latest: CommittedCheckpoint | None) -> dict[str, Any]:
     """What the run's weights start from, recorded in its checkpoints: a preference run's source checkpoint
     (``source_weights``; with LoRA, the adapters' base), a LoRA run's base (raytrain.pipeline.lora.base_identity),
     {} otherwise; after checking that the run's newest checkpoint was trained with the same model.lora settings on
-    the same base."""
+    the same base (``latest``: the run's newest checkpoint)."""
     from raytrain.pipeline.lora import base_identity, check_resume_settings, model_parameter_counts
 
-    latest = CheckpointStore(run_root).latest()
     if job.train.objective == "dpo" and (job.storage.init_from_run or (latest and (latest.metadata.get("base") or {})
                                                                        .get("init_from_run"))):
         base = source_weights(job, latest)
@@ -189,7 +188,11 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
                             "train.wandb_mode=online, or use a run root on a shared filesystem")
     if run_root.is_posix:
         RunPaths(run_root).reports.mkdirs()  # workers append metrics and data traces here
-    base = _starting_weights(job, run_root)
+    latest = CheckpointStore(run_root).latest()
+    base = _starting_weights(job, latest)
+    if latest is not None:
+        check_data_order((latest.metadata.get("config") or {}).get("train") or {}, job.to_dict()["train"],
+                         len(packed.waves or ()) > 1, latest.uri)
     loop_config = LoopConfig(
         job=job, run_uri=run_root.uri, ds_config=ds_config, packed=_files_of(packed, job.data_hash()),
         validation=_files_of(validation) if validation is not None else None,

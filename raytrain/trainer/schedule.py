@@ -80,6 +80,26 @@ def check_resume_position(recorded: int, step: int, dp: int, grad_accum_steps: i
         "train.grad_accum_steps back to the values it was saved with, or start a new run (storage.run_name)")
 
 
+ORDER_SETTINGS = ("seed", "shuffle", "micro_batch_size")
+"""The train settings that decide which packs each global micro-batch holds (raytrain.trainer.pack_order); a
+streamed run's order also depends on shuffle_window_waves."""
+
+
+def check_data_order(saved_with: dict, now: dict, streamed: bool, checkpoint: str) -> None:
+    """A checkpoint resumes at a global micro-batch of one order of the packs: ``saved_with`` (its train section)
+    and ``now`` (this run's) must agree on the settings that decide it (``ORDER_SETTINGS``, and in a streamed run
+    ``shuffle_window_waves``, which also picks the validation set); else RaytrainError naming both values and the fix.
+    A setting a checkpoint does not record (saved by an older version) is not compared."""
+    names = ORDER_SETTINGS + (("shuffle_window_waves",) if streamed else ())
+    changed = [f"train.{name}={saved_with[name]!r} (now {now[name]!r})" for name in names
+               if name in saved_with and saved_with[name] != now[name]]
+    if changed:
+        raise RaytrainError(
+            f"checkpoint {checkpoint} was trained on the packs in the order of {', '.join(changed)}: resumed with "
+            "other values it would skip or repeat sequences. Set them back to the values it was saved with, or "
+            "start a new run (storage.run_name)")
+
+
 def check_enough_packs(num_packs: int, micro_batch_size: int, dp: int, grad_accum_steps: int) -> None:
     """One optimizer step needs dp x grad_accum_steps full micro-batches; else RaytrainError naming the fields."""
     micro_batches = num_packs // micro_batch_size

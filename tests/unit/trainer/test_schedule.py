@@ -3,6 +3,7 @@ import pytest
 from raytrain.errors import RaytrainError
 from raytrain.trainer.schedule import (
     Topology,
+    check_data_order,
     check_enough_packs,
     check_resume_position,
     data_position,
@@ -41,6 +42,26 @@ def test_resume_under_a_changed_batch_layout_names_the_fields_and_the_saved_valu
                                             r"with train\.dp=2, train\.grad_accum_steps=4\)") as info:
         check_resume_position(recorded, 10, 1, 4, "ckpt/step_10", saved_with={"dp": 2, "grad_accum_steps": 4})
     assert "set train.dp and train.grad_accum_steps back" in str(info.value)
+
+
+def test_resume_with_other_order_settings_is_refused_naming_them():
+    from raytrain.config import TrainConfig
+
+    now = vars(TrainConfig(shuffle_window_waves=2))
+    saved = dict(now)
+    check_data_order(saved, now, streamed=True, checkpoint="ckpt/step_4")
+    # the window only decides a streamed run's order
+    check_data_order({**saved, "shuffle_window_waves": 1}, now, streamed=False, checkpoint="ckpt/step_4")
+    with pytest.raises(RaytrainError, match=r"checkpoint ckpt/step_4 was trained on the packs in the order of "
+                                            r"train\.shuffle_window_waves=1 \(now 2\): .* Set them back"):
+        check_data_order({**saved, "shuffle_window_waves": 1}, now, streamed=True, checkpoint="ckpt/step_4")
+    with pytest.raises(RaytrainError, match=r"train\.seed=7 \(now 0\), train\.shuffle=False \(now True\)"):
+        check_data_order({**saved, "seed": 7, "shuffle": False}, {**now, "seed": 0, "shuffle": True}, False, "c")
+    with pytest.raises(RaytrainError, match=r"train\.micro_batch_size=4 \(now 2\)"):
+        check_data_order({**saved, "micro_batch_size": 4}, {**now, "micro_batch_size": 2}, False, "c")
+    # a checkpoint of an older version that did not record a setting: not compared
+    old = {k: v for k, v in saved.items() if k != "shuffle_window_waves"}
+    check_data_order(old, now, streamed=True, checkpoint="c")
 
 
 def test_too_few_packs_for_one_step_names_the_fields():
