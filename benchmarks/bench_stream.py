@@ -138,6 +138,11 @@ def main() -> int:
     print(f"measured: {len(waves)} waves of ~{wave_rows} rows in {took} s "
           f"= {per_core:.1f} rows/s per Spark core; packing {pack_s:.1f} s per wave; start to the first wave "
           f"{start_s:.1f} s; first wave packed to the first step {trainer_start_s:.1f} s")
+    if all("around_s" in w for w in waves):  # each wave's seconds: the rows' work and the rest around it
+        split = ", ".join(f"{w['rows_work_s']:.0f}+{w['around_s']:.0f}" for w in waves)
+        around = sum(w["around_s"] for w in waves) / len(waves)
+        print(f"per wave, the rows' work + around it: {split} s; around it {around:.1f} s a wave on average "
+              "(Spark's planning and scheduling, reads, shuffles, writes: the fixed cost of a wave, mostly)")
     wave_s = args.cluster_wave_rows / (per_core * CLUSTER_ENRICH_CORES)
     first = start_s + wave_s + pack_s + trainer_start_s
     total_h = (FULL_ROWS / args.cluster_wave_rows) * wave_s / 3600

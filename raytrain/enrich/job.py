@@ -91,7 +91,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     pass_seconds: dict[str, float] = {}
     corpus, shipped = corpus_table(spark, job, plan.corpus_files, plan.eval_index, run_root, pass_seconds)
     ctx = _Enrichment(spark, job, plan, sc.broadcast(build_sorted_index(plan.eval_index)), shipped,
-                      sc.accumulator(0.0), pass_seconds)
+                      sc.accumulator(0.0), sc.accumulator(0.0), pass_seconds)
     waves = plan_waves(input_files(plan.inputs.files, {k: v["file_rows"] for k, v in plan.footers.items()}),
                        cfg.wave_rows)
     records: list[dict[str, Any]] = []
@@ -108,8 +108,13 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     log.info("enrich: report statistics computed (%.1fs)", pass_seconds["statistics"])
     for name, took in pass_seconds.items():
         record_enrich_step(job.storage.run_name, name, plan.rows_in, took)  # dashboard: rows/s per pass
+    took = time.perf_counter() - t_start
     report = build_report(job, plan, tally, pass_seconds, corpus, run_root=run_root, enriched=paths.enriched,
-                          quarantine=paths.quarantine, seconds=time.perf_counter() - t_start)
+                          quarantine=paths.quarantine, seconds=took)
+    report.update(rows_work(job, took, ctx.row_seconds.value))
+    log.info("enrich: %.1fs in all: %.1fs of the rows' work, %.1fs around it (the corpus table, Spark's planning, "
+             "reads, shuffles and writes, the statistics)", took, report["rows_work_s"], report["around_s"],
+             extra={QUIET: False})  # the log file; enrich_summary.txt has it too
     if records:
         report["waves"] = records
     _commit(job, plan, tally, report, paths.enriched, paths.quarantine, run_root)
@@ -121,7 +126,8 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
 @dataclass
 class _Enrichment:
     """What every wave of one enrichment shares: the session, the plan, the broadcast eval n-grams and corpus
-    index, the corpus retrieval's seconds (a Spark accumulator) and the passes' seconds, summed over the waves."""
+    index, the seconds the tasks spend in the corpus retrieval and in the rows' batch functions (Spark
+    accumulators), and the passes' seconds, summed over the waves."""
 
     spark: Any
     job: JobConfig
@@ -129,6 +135,7 @@ class _Enrichment:
     eval_array: Any
     corpus: Any
     retrieve_seconds: Any
+    row_seconds: Any
     pass_seconds: dict[str, float]
 
     def enrich(self, wave: Wave, enriched: StorageLocation, quarantine: StorageLocation, prior=None,
@@ -147,7 +154,7 @@ class _Enrichment:
         files = {split: [spark_uri(f.loc) for f in split_files] for split, split_files in wave.files_by_split().items()}
         schemas = {split: footers["schema"] for split, footers in self.plan.footers.items()}
         raw = passes.read_inputs(self.spark, files, job.input.max_rows, schemas, first_file=first)
-        prepared = passes.prepare(raw, self.eval_array, job)
+        prepared = passes.prepare(raw, self.eval_array, job, row_seconds=self.row_seconds)
         dups = passes.duplicates(self.spark, prepared, job, prior=prior, first_file=first)
         if state is not None:
             dups.survivors.write.mode("overwrite").parquet(spark_uri(state))
@@ -156,7 +163,7 @@ class _Enrichment:
                  "(%.1fs)", rows, time.perf_counter() - t0)
         t0 = time.perf_counter()
         finished = passes.finish(prepared, dups.flags, job, corpus=self.corpus, eval_index=self.eval_array,
-                                 retrieve_seconds=self.retrieve_seconds)
+                                 retrieve_seconds=self.retrieve_seconds, row_seconds=self.row_seconds)
         finished.filter(F.col("status") == OK).select(*passes.enriched_columns(self.corpus is not None)) \
             .write.mode("overwrite").parquet(spark_uri(enriched))
         prepared.unpersist()
@@ -168,6 +175,16 @@ class _Enrichment:
         log.info("enrich: pass 2 (selection%s, tokenization) wrote %s and %s (%.1fs)",
                  ", corpus context" if self.corpus else "", enriched.uri, quarantine.uri, time.perf_counter() - t0)
         return finished
+
+
+def rows_work(job: JobConfig, took: float, task_seconds: float) -> dict[str, float]:
+    """``took`` seconds of enrichment split into the rows' work (``task_seconds``, what the tasks spent in the
+    batch functions, over the tasks that run at once: enrich.num_executors x executor_cores, at most
+    num_partitions) and the rest around it: Spark's planning and scheduling, reading, shuffles, writing, waiting for
+    a worker; with few rows, the fixed cost of a wave."""
+    cfg = job.enrich
+    work = task_seconds / max(1, min(cfg.num_executors * cfg.executor_cores, cfg.num_partitions))
+    return {"rows_work_s": round(work, 2), "around_s": round(took - work, 2)}
 
 
 def _add(seconds: dict[str, float], name: str, took: float) -> None:
@@ -199,7 +216,7 @@ def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths,
             if on_wave is not None:
                 on_wave(wave, record)
             continue
-        redone, t0 = True, time.perf_counter()
+        redone, t0, work_before = True, time.perf_counter(), ctx.row_seconds.value
         outputs = [paths.enriched.join(wave.name), paths.quarantine.join(wave.name), folder.join("dedup", wave.name),
                    folder.join("stats", wave.name)]
         for loc in outputs:
@@ -213,12 +230,15 @@ def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths,
         if kept + quarantined != wave.rows:
             raise AssertionError(f"enrich: wave {wave.index}: {wave.rows} rows in but {kept} written + "
                                  f"{quarantined} quarantined; rows went missing (a bug)")
+        took = time.perf_counter() - t0
+        split = rows_work(ctx.job, took, ctx.row_seconds.value - work_before)
         record = {"wave": wave.index, "files": wave.identity(), "data_hash": data_hash, "rows_in": wave.rows,
-                  "kept": kept, "quarantined": quarantined, "seconds": round(time.perf_counter() - t0, 2),
+                  "kept": kept, "quarantined": quarantined, "seconds": round(took, 2), **split,
                   "committed_unix_s": round(time.time(), 3)}
         commit_record(folder, wave).write_atomic(json.dumps(record, sort_keys=True))
-        log.info("enrich: wave %d/%d committed: %d files, %d rows in -> %d kept, %d quarantined (%.1fs)",
-                 wave.index + 1, len(waves), len(wave.files), wave.rows, kept, quarantined, record["seconds"])
+        log.info("enrich: wave %d/%d committed: %d files, %d rows in -> %d kept, %d quarantined (%.1fs: %.1fs of "
+                 "the rows' work, %.1fs around it)", wave.index + 1, len(waves), len(wave.files), wave.rows, kept,
+                 quarantined, took, split["rows_work_s"], split["around_s"])
         records.append(record)
         if on_wave is not None:
             on_wave(wave, record)

@@ -15,6 +15,7 @@ wires it into Spark. Only the enrich stage imports pyspark.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -82,17 +83,23 @@ def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
     return df.withColumn("row_id", F.monotonically_increasing_id())
 
 
-def prepare(raw: DataFrame, eval_index: Any, job: JobConfig) -> DataFrame:
+def prepare(raw: DataFrame, eval_index: Any, job: JobConfig, row_seconds: Any = None) -> DataFrame:
     """Pass 1 (batches.prepare_batch) over every raw row, spread over enrich.num_partitions, after row_guard refused
-    in the JVM the rows Python must not receive; ``eval_index`` is the broadcast sorted eval n-gram array. Persisted: the dedup reads its narrow columns, the finishing pass the rest."""
+    in the JVM the rows Python must not receive; ``eval_index`` is the broadcast sorted eval n-gram array;
+    ``row_seconds``, a Spark accumulator, sums the seconds its tasks spend in the batch function. Persisted: the
+    dedup reads its narrow columns, the finishing pass the rest."""
     cfg = job.enrich
     bands, rows = lsh_params(cfg.near_dup_threshold, NUM_PERM)
 
     def body(frames):
         for pdf in frames:
-            yield batches.prepare_batch(pdf, max_chars=cfg.max_chars, licenses=cfg.licenses, num_perm=NUM_PERM,
-                                     bands=bands, rows=rows, shingle_chars=SHINGLE_CHARS, eval_index=eval_index.value,
-                                     ngram=cfg.decontam_ngram)
+            t0 = time.perf_counter()
+            out = batches.prepare_batch(pdf, max_chars=cfg.max_chars, licenses=cfg.licenses, num_perm=NUM_PERM,
+                                        bands=bands, rows=rows, shingle_chars=SHINGLE_CHARS,
+                                        eval_index=eval_index.value, ngram=cfg.decontam_ngram)
+            if row_seconds is not None:
+                row_seconds.add(time.perf_counter() - t0)
+            yield out
 
     # The guard runs before the shuffle: a refused row crosses it (and reaches Python) without its text.
     guarded = guard_rows(raw, cfg.max_chars, MAX_TURNS)
@@ -190,13 +197,13 @@ def with_final_verdict(prepared: DataFrame, flags: DataFrame, ngram: int, column
 
 
 def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = None,
-           eval_index: Any = None, retrieve_seconds: Any = None) -> DataFrame:
+           eval_index: Any = None, retrieve_seconds: Any = None, row_seconds: Any = None) -> DataFrame:
     """Pass 2: every row with its final verdict (derive/license from pass 1, then exact or near duplicate, then
     contaminated), hash-partitioned by uuid and sorted by uuid within each partition (the written files' order,
     deterministic without a global sort), through batches.finish_batch. ``corpus``: the broadcast CorpusIndex when
     enrich.context_corpus is set (``eval_index`` then the broadcast eval array); ``retrieve_seconds``, a Spark
-    accumulator, sums the seconds its tasks spend in the corpus retrieval. Persisted: the enriched and quarantine
-    writes and the statistics read it."""
+    accumulator, sums the seconds its tasks spend in the corpus retrieval, ``row_seconds`` those in the batch
+    function. Persisted: the enriched and quarantine writes and the statistics read it."""
     cfg, ds = job.enrich, job.dataset
     n = cfg.decontam_ngram
     rows = with_final_verdict(prepared, flags, n, batches.ROW.names)
@@ -208,10 +215,14 @@ def finish(prepared: DataFrame, flags: DataFrame, job: JobConfig, corpus: Any = 
         search = None if corpus is None else batches.CorpusSearch(corpus.value, eval_index.value, n)
         for pdf in frames:
             seconds: dict[str, float] = {}
-            yield batches.finish_batch(pdf, scoring=scoring, tokenize=tokenize, system_prompt=cfg.system_prompt,
+            t0 = time.perf_counter()
+            out = batches.finish_batch(pdf, scoring=scoring, tokenize=tokenize, system_prompt=cfg.system_prompt,
                                        corpus=search, seconds=seconds)
+            if row_seconds is not None:
+                row_seconds.add(time.perf_counter() - t0)
             if retrieve_seconds is not None and "corpus" in seconds:
                 retrieve_seconds.add(seconds["corpus"])
+            yield out
 
     schema = spark_schema(batches.finished_schema(corpus is not None))
     return rows.mapInPandas(body, schema=schema).persist(StorageLevel.MEMORY_AND_DISK)

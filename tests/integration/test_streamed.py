@@ -132,6 +132,12 @@ def test_streamed_run_trains_before_the_last_wave_and_waits_for_it(streamed_run)
     assert again.validation.num_packs == records[0]["validation"]["num_packs"] == manifest["validation"]["num_packs"]
     report = json.load(open(run.root.join("reports", "enrich_report.json").path))
     assert manifest["rows"] + sum(r["validation"]["rows"] for r in records) == report["rows_out"]
+    # each enrichment wave's seconds split into the rows' work (Spark accumulators over the tasks' batch
+    # functions) and the rest around it
+    for wave in report["waves"]:
+        assert wave["rows_work_s"] > 0 and wave["around_s"] > 0, wave
+        assert wave["rows_work_s"] + wave["around_s"] == pytest.approx(wave["seconds"], abs=0.02)
+    assert report["rows_work_s"] >= sum(w["rows_work_s"] for w in report["waves"]) - 0.02
 
 
 def test_streamed_run_keeps_quarantines_and_packs_what_one_wave_does(streamed_run, demo_data):
@@ -149,6 +155,8 @@ def test_streamed_run_keeps_quarantines_and_packs_what_one_wave_does(streamed_ru
                                                                            columns=list(columns)).to_pylist()),
                       key=repr)
 
+    one_wave_report = json.load(open(one_wave.root.join("reports", "enrich_report.json").path))
+    assert one_wave_report["rows_work_s"] > 0 and one_wave_report["around_s"] > 0
     assert rows(streamed, "enriched", ("uuid",)) == rows(one_wave, "enriched", ("uuid",))
     assert rows(streamed, "quarantine", ("uuid", "reason")) == rows(one_wave, "quarantine", ("uuid", "reason"))
 

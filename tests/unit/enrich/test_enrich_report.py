@@ -151,3 +151,19 @@ def test_pair_report_counts_truncated_pairs_and_the_summary_says_so():
     none_cut = build_pair_report(10, [group("train", "ok", 10)], [], [], 1.0, DatasetConfig(), EnrichConfig())
     assert none_cut["length"] == {"policy": "drop", "seq_len": 128, "rows_truncated": 0, "tokens_truncated": 0}
     assert "truncate" not in pair_summary_text(none_cut) and "context selection" not in pair_summary_text(none_cut)
+
+
+def test_seconds_split_into_the_rows_work_and_around_it():
+    from raytrain.config import load_job_config
+    from raytrain.enrich.job import rows_work
+
+    one = load_job_config("configs/demo.yaml", ["enrich.num_executors=1", "enrich.executor_cores=1",
+                                                "enrich.num_partitions=2"])
+    assert rows_work(one, 10.0, 6.0) == {"rows_work_s": 6.0, "around_s": 4.0}  # one task at a time
+    four = load_job_config("configs/demo.yaml", ["enrich.num_executors=2", "enrich.executor_cores=2",
+                                                 "enrich.num_partitions=2"])
+    assert rows_work(four, 10.0, 6.0) == {"rows_work_s": 3.0, "around_s": 7.0}  # two partitions: two at once
+    _, report = _report()
+    text = summary_text({**report, **rows_work(one, 1.0, 0.25)})
+    assert "of the 1.0 s: the rows' work 0.2 s" in text and "around it 0.8 s" in text
+    assert "the rows' work" not in summary_text(report)  # a report written before the split
