@@ -19,13 +19,25 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+MODULE_SECONDS = {
+    "test_streamed.py": 900, "test_faults.py": 480, "test_dpo_run.py": 470, "test_enrich_spark.py": 450,
+    "test_storage_forms.py": 430, "test_console_run.py": 430, "test_sft_e2e.py": 320, "test_s3_run.py": 260,
+    "test_topologies.py": 230, "test_lora.py": 170, "test_bench_pipeline.py": 160, "test_autoscaling.py": 155,
+    "test_ops_cluster.py": 145,
+}
+"""Seconds each integration module took on one worker of a whole run on the 2-core development machine (2026-12-06,
+test_streamed alone 2026-12-07); a module not listed counts as 0."""
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The order in which pytest-xdist hands out the modules (`-n 2 --dist loadfile --no-loadscope-reorder`,
-    pyproject's addopts: a module runs whole on one worker, so its module-scoped Ray and Spark start once).
-    Integration modules come first, the first one that needs the shared demo run (tests/demo_run.py) at the head so
-    that run starts at once, the other modules that read it after those that do not; the unit modules fill the
-    workers' ends."""
+    pyproject's addopts: a module runs whole on one worker, so its module-scoped Ray and Spark start once; a worker
+    takes the next module when it is almost done with its own). Integration modules come first: the first one that
+    needs the shared demo run (tests/demo_run.py) at the head so that run starts at once, then the longest module
+    that does not read it (the other worker's while the demo runs), then the rest the longest first
+    (``MODULE_SECONDS``): a long module started last would leave the other worker idle at the end. The unit modules
+    fill the workers' ends."""
     def module(item) -> str:
         return os.path.relpath(str(item.fspath), ROOT)
 
@@ -33,13 +45,20 @@ def pytest_collection_modifyitems(config, items):
         return "demo_run" in getattr(item, "fixturenames", ())
 
     demo_modules = list(dict.fromkeys(module(i) for i in items if needs_demo(i)))  # in collection order
+    integration = [m for m in dict.fromkeys(module(i) for i in items) if "/integration/" in f"/{m}"]
 
-    def rank(item) -> int:
+    def seconds(m: str) -> int:
+        return MODULE_SECONDS.get(os.path.basename(m), 0)
+
+    # the longest module that does not read the demo run keeps the other worker busy while that run goes on
+    cover = max((m for m in integration if m not in demo_modules), key=seconds, default=None)
+
+    def rank(item) -> tuple[int, int]:
         m = module(item)
-        if "/integration/" not in f"/{m}":
-            return 3
-        if m in demo_modules:
-            return 0 if m == demo_modules[0] else 2
-        return 1
+        if m not in integration:
+            return 3, 0
+        if demo_modules and m == demo_modules[0]:
+            return 0, 0
+        return (1 if m == cover else 2), -seconds(m)
 
     items.sort(key=rank)  # stable: the order within a rank (and within a module) is the collection's
