@@ -139,8 +139,9 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
         return dataclasses.replace(train, validation=packed_entry(existing["validation"], packed),
                                    benchmark=packed_entry(existing["benchmark"], packed.join("benchmark")),
                                    waves=tuple(existing["waves"]), complete=True)
-    return dataclasses.replace(train, validation=packed_entry(existing.get("validation") or {}, packed.join("validation")),
-                               benchmark=packed_entry(existing.get("benchmark") or {}, packed.join("benchmark")))
+    return dataclasses.replace(
+        train, validation=packed_entry(existing.get("validation") or {}, packed.join("validation")),
+        benchmark=packed_entry(existing.get("benchmark") or {}, packed.join("benchmark")))
 
 
 def packed_entry(entry: dict[str, Any], folder: StorageLocation) -> PackedData | None:

@@ -243,7 +243,8 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append("passes: " + ", ".join(f"{k} {v:.1f} s" for k, v in report["passes"].items()))
     if "rows_work_s" in report:
         lines.append(f"of the {report['seconds']:.1f} s: the rows' work {report['rows_work_s']:.1f} s (the tasks' "
-                     f"seconds in the batch functions over the tasks run at once), around it {report['around_s']:.1f} s")
+                     "seconds in the batch functions over the tasks run at once), around it "
+                     f"{report['around_s']:.1f} s")
     lines += ["", "quarantined by reason: "
               + (", ".join(f"{k} {v}" for k, v in report["quarantined"].items()) or "none"),
               f"dedup ratio {100 * report['dedup_ratio']:.2f}% of rows reaching dedup "
