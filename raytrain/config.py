@@ -53,6 +53,9 @@ RENAMED = {"data": "input", "train.sample_new_tokens": "train.generation_tokens"
 (``data`` held the input's path as ``data.input_path``, now ``input.path``)."""
 
 DATA_SECTIONS = ("input", "enrich", "dataset")
+AUTO_WAVE_ROWS = 50_000
+"""The default wave of a fine-tune's enrichment (enrich.wave_rows = -1): at the measured card-length rate of ~19
+rows/s per core, about a minute on a 56-core enrichment; an input of fewer rows goes through in one wave."""
 """The config sections that decide the enriched rows and the packed sequences (``JobConfig.data_hash``)."""
 
 
@@ -172,10 +175,12 @@ class EnrichConfig:
     """Eval files (JSONL/Parquet/text) to decontaminate against; 'sample' uses the sample dataset's eval set."""
     decontam_ngram: int = 13
     """n-gram length for decontamination overlap."""
-    wave_rows: int = 0
+    wave_rows: int = -1
     """Enrich the input in waves of whole files, each closed at >= this many rows, front to back: each wave is
-    written and committed on its own, and an interrupted enrichment redoes only the wave it was in. Every row gets
-    the verdict it gets in one wave (raytrain.enrich.waves). 0 (default): the whole input in one wave."""
+    written and committed on its own, and an interrupted enrichment redoes only the wave it was in; `raytrain run`
+    trains on the waves packed so far while the rest is enriched. Every row gets the verdict it gets in one wave
+    (raytrain.enrich.waves). 0: the whole input in one wave. -1 (default): waves of ``AUTO_WAVE_ROWS`` rows for a
+    fine-tune without input.max_rows, one wave otherwise (JobConfig.wave_rows)."""
     pair_context: bool = False
     """Preference pairs (train.objective=dpo): put the relevance selection's sentences into the prompt as for the
     fine-tune (top_k, min_score, question_weight, system_prompt, answer_text), the last user turn as the question
@@ -207,7 +212,8 @@ class EnrichConfig:
         _require(0 < self.executor_ray_cpus <= self.executor_cores, "enrich.executor_ray_cpus",
                  "must be in (0, enrich.executor_cores]")
         _require(self.num_partitions >= 1, "enrich.num_partitions", "must be >= 1")
-        _require(self.wave_rows >= 0, "enrich.wave_rows", "must be >= 0 (0 = the whole input in one wave)")
+        _require(self.wave_rows >= -1, "enrich.wave_rows",
+                 "must be >= 0 (0 = the whole input in one wave), or -1 for the default")
         _require(self.top_k >= 1, "enrich.top_k", "must be >= 1")
         _require(-1.0 <= self.min_score <= 1.0, "enrich.min_score", "must be in [-1, 1] (a cosine similarity)")
         _require(_JVM_MEMORY_RE.fullmatch(self.executor_memory) is not None, "enrich.executor_memory",
@@ -539,10 +545,10 @@ class JobConfig:
                  "or set enrich.context_corpus to []")
         _require(not dpo_corpus or "sample" not in self.enrich.context_corpus, "enrich.context_corpus",
                  "'sample' is the fine-tune sample's corpus; the preference sample has none: name corpus files")
-        _require(not self.enrich.wave_rows or self.train.objective == "sft", "enrich.wave_rows",
+        _require(self.enrich.wave_rows <= 0 or self.train.objective == "sft", "enrich.wave_rows",
                  "waves apply to the fine-tune's enrichment; preference pairs (train.objective=dpo) are enriched in "
                  "one wave: set it to 0")
-        _require(not self.enrich.wave_rows or not self.input.max_rows, "enrich.wave_rows",
+        _require(self.enrich.wave_rows <= 0 or not self.input.max_rows, "enrich.wave_rows",
                  "cannot be combined with input.max_rows (which rows a split keeps would depend on the waves): set "
                  "one of them to 0")
         _require(self.train.objective == "dpo" or not self.enrich.pair_context, "enrich.pair_context",
@@ -554,6 +560,14 @@ class JobConfig:
         _require(self.model.attn_impl != "flex" or self.train.use_gpu, "model.attn_impl",
                  "'flex' needs GPUs (train.use_gpu=true): torch has no FlexAttention backward on the CPU; "
                  "use 'segment' (exact, no mask) or 'dense' on CPUs")
+
+    @property
+    def wave_rows(self) -> int:
+        """enrich.wave_rows resolved: -1 (the default) is ``AUTO_WAVE_ROWS`` for a fine-tune without
+        input.max_rows, 0 (one wave) for preference pairs or a cut input."""
+        if self.enrich.wave_rows >= 0:
+            return self.enrich.wave_rows
+        return AUTO_WAVE_ROWS if self.train.objective == "sft" and not self.input.max_rows else 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -588,7 +602,7 @@ class JobConfig:
         if self.train.objective != "sft":  # preference pairs are other data from the same input settings
             sections["objective"] = self.train.objective
         for name in ("pair_context", "wave_rows"):  # hashed only when set: the hashes of runs made before stay
-            if not getattr(self.enrich, name):
+            if getattr(self.enrich, name) in (False, 0, -1):
                 sections["enrich"] = {k: v for k, v in sections["enrich"].items() if k != name}
         return _short_hash({"data": legacy, **sections})
 

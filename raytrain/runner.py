@@ -415,7 +415,7 @@ def _enrich_pack_and_train(run: Run, max_failures: int) -> dict[str, Any]:
     from raytrain.dataset.stream import load_packed
 
     job = run.job
-    if not job.enrich.wave_rows or _preference(job):
+    if not job.wave_rows or _preference(job):
         return _train(run, run_enrich_and_pack(run), max_failures)
     from raytrain.streamed import enrich_and_train, streamed_waves
 
@@ -426,7 +426,7 @@ def _enrich_pack_and_train(run: Run, max_failures: int) -> dict[str, Any]:
         eval_sets = eval_set_paths(run, input_root)
         key = (run.root.uri, job.config_hash())
         plan = _PLANS.pop(key, None) or plan_enrichment(job, input_root, eval_sets)
-        if streamed_waves(plan, job.enrich.wave_rows) > 1:
+        if streamed_waves(plan, job.wave_rows) > 1:
             return enrich_and_train(run, plan, input_root, eval_sets,
                                     lambda run, packed: _train(run, packed, max_failures),
                                     lambda name, report: write_report(run, name, report))

@@ -93,7 +93,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     ctx = _Enrichment(spark, job, plan, sc.broadcast(build_sorted_index(plan.eval_index)), shipped,
                       sc.accumulator(0.0), sc.accumulator(0.0), pass_seconds)
     waves = plan_waves(input_files(plan.inputs.files, {k: v["file_rows"] for k, v in plan.footers.items()}),
-                       cfg.wave_rows)
+                       job.wave_rows)
     records: list[dict[str, Any]] = []
     if len(waves) == 1:
         finished = ctx.enrich(waves[0], paths.enriched, paths.quarantine)
@@ -149,7 +149,7 @@ class _Enrichment:
         from raytrain.enrich.spark import spark_uri
 
         job, seconds, first = self.job, self.pass_seconds, wave.files[0].index
-        rows = wave.rows if job.enrich.wave_rows else self.plan.rows_in  # one wave: input.max_rows applied
+        rows = wave.rows if job.wave_rows else self.plan.rows_in  # one wave: input.max_rows applied
         t0 = time.perf_counter()
         files = {split: [spark_uri(f.loc) for f in split_files] for split, split_files in wave.files_by_split().items()}
         schemas = {split: footers["schema"] for split, footers in self.plan.footers.items()}
@@ -236,9 +236,10 @@ def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths,
                   "kept": kept, "quarantined": quarantined, "seconds": round(took, 2), **split,
                   "committed_unix_s": round(time.time(), 3)}
         commit_record(folder, wave).write_atomic(json.dumps(record, sort_keys=True))
-        log.info("enrich: wave %d/%d committed: %d files, %d rows in -> %d kept, %d quarantined (%.1fs: %.1fs of "
-                 "the rows' work, %.1fs around it)", wave.index + 1, len(waves), len(wave.files), wave.rows, kept,
-                 quarantined, took, split["rows_work_s"], split["around_s"])
+        log.info("enrich: wave %d/%d committed: %d file%s, %d rows in -> %d kept, %d quarantined (%.1fs: %.1fs of "
+                 "the rows' work, %.1fs around it)", wave.index + 1, len(waves), len(wave.files),
+                 "" if len(wave.files) == 1 else "s", wave.rows, kept, quarantined, took, split["rows_work_s"],
+                 split["around_s"])
         records.append(record)
         if on_wave is not None:
             on_wave(wave, record)

@@ -448,7 +448,8 @@ def test_corpus_table_reused_and_approximate_search_equals_exact(out, spark, tmp
     shutil.copytree(out.run_root.join("data", "corpus").path, run_root / "data" / "corpus")  # the same run folder
     before = {p: os.stat(os.path.join(dp, p)).st_mtime_ns for dp, _, fs in os.walk(run_root / "data" / "corpus")
               for p in fs}
-    job = load_job_config("configs/demo.yaml", ["input.splits=[chat]", "input.max_rows=24", "enrich.num_partitions=1",
+    job = load_job_config("configs/demo.yaml", ["input.splits=[chat]", "input.max_rows=24", "enrich.wave_rows=0",
+                                                "enrich.num_partitions=1",
                                                 "enrich.corpus_exact_max_sentences=10"])
     result = enrich_in_session(spark, job, resolve(out.sample.out_dir), resolve(str(run_root)),
                                eval_sets=(out.sample.eval_path,))

@@ -39,7 +39,7 @@ def make_job(root, run_name: str, *extra: str):
     # sequences for MAX_STEPS steps at the cost these tests always had
     return load_job_config("configs/demo.yaml", [
         f"storage.root={root}", "storage.user=ci", f"storage.run_name={run_name}", "dataset.seq_len=128",
-        "dataset.length_policy=split",
+        "dataset.length_policy=split", "enrich.wave_rows=0",
         f"train.max_steps={MAX_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.keep_last=3", *extra])
 
 

@@ -171,7 +171,7 @@ def _job(root: str, run_name: str, endpoint: str, *extra: str):
     # sequences for MAX_STEPS steps
     return load_job_config("configs/demo.yaml", [
         f"storage.root={root}", f"storage.s3_endpoint={endpoint}", "storage.user=ci", f"storage.run_name={run_name}",
-        "dataset.seq_len=128", "dataset.length_policy=split", f"train.max_steps={MAX_STEPS}",
+        "dataset.seq_len=128", "dataset.length_policy=split", "enrich.wave_rows=0", f"train.max_steps={MAX_STEPS}",
         f"train.checkpoint_every={CHECKPOINT_EVERY}", *extra])
 
 

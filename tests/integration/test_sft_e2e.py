@@ -20,7 +20,8 @@ from raytrain.runner import open_run, run_sft
 
 def _job(root, run_name, *extra):
     return load_job_config("configs/demo.yaml", [f"storage.root={root}", f"storage.run_name={run_name}",
-                                                 "storage.user=ci", "train.checkpoint_every=3", *extra])
+                                                 "storage.user=ci", "train.checkpoint_every=3", "enrich.wave_rows=0",
+                                                 *extra])
 
 
 def _metrics(run):

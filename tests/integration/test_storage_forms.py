@@ -236,7 +236,8 @@ def test_enrichment_from_s3_to_s3(roots, spark, tmp_path):
     input_root = s3.join("enrich-input")
     pafs.copy_files(sample.out_dir, input_root.path, destination_filesystem=input_root.filesystem)
     run_root = s3.join("runs", "ci", "forms", "enrich-s3")
-    job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2", f"storage.s3_endpoint={s3.s3_endpoint}"])
+    job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2", "enrich.wave_rows=0",
+                                                f"storage.s3_endpoint={s3.s3_endpoint}"])
     result = enrich_in_session(spark, job, input_root, run_root, eval_sets=("sample",))
     report = result.report
     assert result.enriched.uri.startswith("s3://") and report["enriched_uri"] == result.enriched.uri

@@ -5,6 +5,7 @@ one-wave demo run (tests/demo_run.py), and killed mid-stream and resumed."""
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import pyarrow.parquet as pq
@@ -203,12 +204,15 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
     job = load_job_config("configs/demo.yaml", overrides)
     run = open_run(job)
     _reuse_corpus_table(open_run(straight_job), run)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS=ray_local.get_runtime_context().gcs_address)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS=ray_local.get_runtime_context().gcs_address,
+               PYTHONUNBUFFERED="1")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    console = tmp_path_factory.mktemp("killed-console") / "console.txt"
     # `raytrain run`, its enrichment held after wave 1 until the first checkpoint: killed then, it is mid-stream
-    driver = subprocess.Popen([sys.executable, os.path.join(repo, "tests", "held_stream_driver.py"),
-                               "configs/demo.yaml", *overrides], cwd=repo,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(console, "w") as out:
+        driver = subprocess.Popen([sys.executable, os.path.join(repo, "tests", "held_stream_driver.py"),
+                                   "configs/demo.yaml", *overrides], cwd=repo,
+                                  env=env, stdout=out, stderr=subprocess.STDOUT)
     enrich_records = run.root.join("data", "waves")
     try:
         deadline = time.monotonic() + 900
@@ -223,6 +227,13 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
     committed_at_kill = {n: json.loads(enrich_records.join(n).read_text())["committed_unix_s"]
                          for n in enrich_records.listdir() if n.endswith(".json")}
     assert "wave-00002.json" not in committed_at_kill, "the enrichment finished before the kill: not mid-stream"
+    # what the streamed `raytrain run` told on its console before the kill: the first of three waves committed, the
+    # training started on it
+    text = console.read_text()
+    assert re.search(r"raytrain: enrich: wave 1/3 committed: \d+ files?, \d+ rows in -> \d+ kept, \d+ quarantined "
+                     r"\([0-9.]+s: [0-9.]+s of the rows' work", text), text[-3000:]
+    assert re.search(r"raytrain: stream: training starts on 1 packed wave\(s\) \(\d+ sequences\) while the "
+                     "enrichment goes on", text), text[-3000:]
     killed_at_step = CheckpointStore(run.root).latest().step
     assert killed_at_step < STREAM_STEPS
 

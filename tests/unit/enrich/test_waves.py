@@ -45,10 +45,36 @@ def test_a_commit_record_counts_only_for_the_same_files_and_data(tmp_path):
 
 def test_wave_rows_settings_refused_with_the_fix():
     job = load_job_config("configs/demo.yaml", ["enrich.wave_rows=100"])
-    assert job.data_hash() != load_job_config("configs/demo.yaml", []).data_hash()
-    for overrides, match in ((["enrich.wave_rows=-1"], "must be >= 0"),
+    assert job.data_hash() != load_job_config("configs/demo.yaml", ["enrich.wave_rows=0"]).data_hash()
+    for overrides, match in ((["enrich.wave_rows=-2"], "must be >= 0"),
                              (["enrich.wave_rows=10", "input.max_rows=5"], "input.max_rows"),
                              (["enrich.wave_rows=10", "train.objective=dpo"], "preference pairs")):
         with pytest.raises(ConfigError, match=match):
             load_job_config("configs/demo.yaml" if "dpo" not in overrides[-1] else "configs/demo-dpo.yaml",
                             overrides)
+
+
+def test_a_fine_tune_streams_by_default_and_the_demo_in_three_waves(tmp_path):
+    """enrich.wave_rows's default (-1): waves of AUTO_WAVE_ROWS for a fine-tune, one wave where waves cannot apply
+    (preference pairs, input.max_rows); a value set is kept. The demo sets 100: the sample's files (32 or 64 rows
+    each, as the sample writes them) in three waves, each big enough for the first global batch."""
+    import pyarrow.parquet as pq
+
+    from raytrain.config import AUTO_WAVE_ROWS
+    from raytrain.enrich.inputs import discover_inputs
+    from raytrain.sample_data import write_sample_dataset
+
+    defaults = ["enrich.wave_rows=-1"]
+    assert load_job_config("configs/cpu-tiny.yaml", defaults).wave_rows == AUTO_WAVE_ROWS
+    assert load_job_config("configs/cpu-tiny.yaml", [*defaults, "input.max_rows=10"]).wave_rows == 0
+    assert load_job_config("configs/demo-dpo.yaml", defaults).wave_rows == 0
+    assert load_job_config("configs/demo.yaml", ["enrich.wave_rows=7"]).wave_rows == 7
+    demo = load_job_config("configs/demo.yaml")
+    assert demo.wave_rows == demo.enrich.wave_rows == 100
+
+    sample = tmp_path / "sample"
+    write_sample_dataset(str(sample))
+    files = discover_inputs(resolve(str(sample)), demo.input.splits).files
+    rows = {split: [pq.ParquetFile(f.path).metadata.num_rows for f in locs] for split, locs in files.items()}
+    waves = plan_waves(input_files(files, rows), demo.wave_rows)
+    assert [w.rows for w in waves] == [128, 128, 64] and sum(rows.values(), []) == [32, 32, 32, 32, 64, 64, 64]
