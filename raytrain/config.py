@@ -138,6 +138,10 @@ class EnrichConfig:
     """Spark cores per executor."""
     executor_memory: str = "1g"
     """JVM heap per executor."""
+    jvm_options: str = ""
+    """Extra options of Spark's JVMs (the driver, RayDP's app master and the executors), after the --add-opens
+    Spark needs. The demo sets '-XX:TieredStopAtLevel=1 -XX:+UseSerialGC': on a few cores a short enrichment spends
+    much of its JVMs' CPU compiling (docs/decisions.md, 'Quick JIT for short enrichments')."""
     executor_ray_cpus: float = 0.5
     """Ray CPUs reserved per executor actor. Below executor_cores on purpose on small machines: executors holding
     every Ray CPU starve Ray Data's own tasks, which then wait for a CPU forever (docs/decisions.md, 'Spark
@@ -604,6 +608,7 @@ class JobConfig:
         for name in ("pair_context", "wave_rows"):  # hashed only when set: the hashes of runs made before stay
             if getattr(self.enrich, name) in (False, 0, -1):
                 sections["enrich"] = {k: v for k, v in sections["enrich"].items() if k != name}
+        sections["enrich"] = {k: v for k, v in sections["enrich"].items() if k != "jvm_options"}  # decides no row
         return _short_hash({"data": legacy, **sections})
 
 

@@ -137,10 +137,11 @@ def spark_configs(cfg: EnrichConfig, console_progress: bool = True) -> dict[str,
     No log4j2 file of our own: one would bind its console appender while RayDP's java agent has the driver's
     System.err redirected, and lose the driver's warnings (docs/decisions.md, 'No log4j2 file for the Spark
     driver')."""
+    java_options = f"{JAVA_OPTIONS} {cfg.jvm_options}".strip()
     return {
-        "spark.executor.extraJavaOptions": JAVA_OPTIONS,
-        "spark.driver.extraJavaOptions": JAVA_OPTIONS,
-        "spark.ray.raydp_app_master.extraJavaOptions": JAVA_OPTIONS,
+        "spark.executor.extraJavaOptions": java_options,
+        "spark.driver.extraJavaOptions": java_options,
+        "spark.ray.raydp_app_master.extraJavaOptions": java_options,
         # Ray CPUs per executor actor: fewer than its Spark cores so Ray Data's tasks are never starved.
         "spark.ray.raydp_spark_executor.actor.resource.cpu": str(cfg.executor_ray_cpus),
         "spark.sql.shuffle.partitions": str(cfg.num_partitions),

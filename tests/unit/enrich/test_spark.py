@@ -34,3 +34,19 @@ def test_patch_is_scoped_to_the_launch():
         assert ray_cluster.RayDPSparkMaster is not master
     assert java_gateway.Popen is original is subprocess.Popen
     assert ray_cluster.RayDPSparkMaster is master is ray_cluster_master.RayDPSparkMaster
+
+
+def test_jvm_options_reach_every_spark_jvm_and_decide_no_data():
+    """enrich.jvm_options follow the --add-opens Spark needs in the driver's, the app master's and the executors'
+    options; they change no row, so not the data hash (a run's enriched data stays valid)."""
+    from raytrain.config import load_job_config
+    from raytrain.enrich.spark import JAVA_OPTIONS, spark_configs
+
+    quick = load_job_config("configs/demo.yaml")
+    assert quick.enrich.jvm_options == "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+    plain = load_job_config("configs/demo.yaml", ["enrich.jvm_options="])
+    for key in ("spark.driver.extraJavaOptions", "spark.ray.raydp_app_master.extraJavaOptions",
+                "spark.executor.extraJavaOptions"):
+        assert spark_configs(quick.enrich)[key] == f"{JAVA_OPTIONS} -XX:TieredStopAtLevel=1 -XX:+UseSerialGC", key
+        assert spark_configs(plain.enrich)[key] == JAVA_OPTIONS, key
+    assert quick.data_hash() == plain.data_hash()
