@@ -53,10 +53,10 @@ RENAMED = {"data": "input", "train.sample_new_tokens": "train.generation_tokens"
 (``data`` held the input's path as ``data.input_path``, now ``input.path``)."""
 
 DATA_SECTIONS = ("input", "enrich", "dataset")
+"""The config sections that decide the enriched rows and the packed sequences (``JobConfig.data_hash``)."""
 AUTO_WAVE_ROWS = 50_000
 """The default wave of a fine-tune's enrichment (enrich.wave_rows = -1): at the measured card-length rate of ~19
 rows/s per core, about a minute on a 56-core enrichment; an input of fewer rows goes through in one wave."""
-"""The config sections that decide the enriched rows and the packed sequences (``JobConfig.data_hash``)."""
 
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")

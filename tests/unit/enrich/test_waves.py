@@ -57,7 +57,7 @@ def test_wave_rows_settings_refused_with_the_fix():
 def test_a_fine_tune_streams_by_default_and_the_demo_in_three_waves(tmp_path):
     """enrich.wave_rows's default (-1): waves of AUTO_WAVE_ROWS for a fine-tune, one wave where waves cannot apply
     (preference pairs, input.max_rows); a value set is kept. The demo sets 100: the sample's files (32 or 64 rows
-    each, as the sample writes them) in three waves, each big enough for the first global batch."""
+    each, as the sample writes them) in three waves."""
     import pyarrow.parquet as pq
 
     from raytrain.config import AUTO_WAVE_ROWS
