@@ -419,7 +419,7 @@ def _enrich_pack_and_train(run: Run, max_failures: int) -> dict[str, Any]:
         return _train(run, run_enrich_and_pack(run), max_failures)
     from raytrain.streamed import enrich_and_train, streamed_waves
 
-    if load_packed(run.paths.packed, run.data_hash) is None:
+    if load_packed(run.paths.packed, run.data_hash, say_reused=False) is None:
         from raytrain.enrich.plan import plan_enrichment
 
         input_root = stage_input(run)
@@ -485,7 +485,7 @@ def _preflight(run: Run) -> None:
     _check_model_fits_tokenizer(job)
     from raytrain.dataset.stream import load_packed
 
-    if load_packed(run.paths.packed, run.data_hash) is None:
+    if load_packed(run.paths.packed, run.data_hash, say_reused=False) is None:
         _plan_enrichment_early(run)
         find_java()  # Spark will run: fail now, not inside RayDP, when there is no Java
 

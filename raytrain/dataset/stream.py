@@ -119,9 +119,10 @@ def _parquet_files(loc: StorageLocation) -> list[str]:
     return [loc.join(n).path for n in parquet_names(loc)]
 
 
-def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
+def load_packed(packed: StorageLocation, data_hash: str, say_reused: bool = True) -> PackedData | None:
     """The run's packed sequences when a committed manifest exists (None otherwise); packed from other settings
-    is an error: a run's data cannot change under its checkpoints."""
+    is an error: a run's data cannot change under its checkpoints. ``say_reused``: log that they are reused (not
+    for a check before the stage that uses them)."""
     manifest_loc = packed.join(MANIFEST)
     if not manifest_loc.exists():
         return None
@@ -131,7 +132,8 @@ def load_packed(packed: StorageLocation, data_hash: str) -> PackedData | None:
             f"{packed.uri} holds sequences packed with other input/enrich/dataset settings (hash "
             f"{existing['data_hash']} != {data_hash}); a run's data cannot change under its checkpoints. "
             "Use a new storage.run_name, or the settings the run was started with.")
-    log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
+    if say_reused:
+        log.info("dataset: reusing %d packed sequences from %s", existing["num_packs"], packed.uri)
     train = PackedData(packed, tuple(packed.join(n).path for n in existing["files"]), existing["num_packs"],
                        existing["num_real_tokens"])
     if "waves" in existing:  # a streamed run's packs, wave by wave (raytrain.dataset.wave_packs): paths relative to
