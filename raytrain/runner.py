@@ -415,22 +415,24 @@ def _enrich_pack_and_train(run: Run, max_failures: int) -> dict[str, Any]:
     from raytrain.dataset.stream import load_packed
 
     job = run.job
-    if not job.wave_rows or _preference(job):
+    if not job.wave_rows:  # one wave (JobConfig.wave_rows: always for preference pairs)
         return _train(run, run_enrich_and_pack(run), max_failures)
     from raytrain.streamed import enrich_and_train, streamed_waves
 
-    if load_packed(run.paths.packed, run.data_hash, say_reused=False) is None:
-        from raytrain.enrich.plan import plan_enrichment
+    packed = load_packed(run.paths.packed, run.data_hash)
+    if packed is not None:  # enriched and packed by an earlier launch
+        return _train(run, packed, max_failures)
+    from raytrain.enrich.plan import plan_enrichment
 
-        input_root = stage_input(run)
-        eval_sets = eval_set_paths(run, input_root)
-        key = (run.root.uri, job.config_hash())
-        plan = _PLANS.pop(key, None) or plan_enrichment(job, input_root, eval_sets)
-        if streamed_waves(plan, job.wave_rows) > 1:
-            return enrich_and_train(run, plan, input_root, eval_sets,
-                                    lambda run, packed: _train(run, packed, max_failures),
-                                    lambda name, report: write_report(run, name, report))
-        _PLANS[key] = plan  # one wave: enriched and packed as without waves
+    input_root = stage_input(run)
+    eval_sets = eval_set_paths(run, input_root)
+    key = (run.root.uri, job.config_hash())
+    plan = _PLANS.pop(key, None) or plan_enrichment(job, input_root, eval_sets)
+    if streamed_waves(plan, job.wave_rows) > 1:
+        return enrich_and_train(run, plan, input_root, eval_sets,
+                                lambda run, packed: _train(run, packed, max_failures),
+                                lambda name, report: write_report(run, name, report))
+    _PLANS[key] = plan  # one wave: enriched and packed as without waves
     return _train(run, run_enrich_and_pack(run), max_failures)
 
 
