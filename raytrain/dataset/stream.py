@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -155,6 +156,21 @@ def packed_entry(entry: dict[str, Any], folder: StorageLocation) -> PackedData |
                       entry["num_real_tokens"])
 
 
+FOOTER_ACTORS_ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+"""Ray Data 2.60 reads every Parquet file's footer on a pool of this many new actors (32 by default) each time a
+Parquet dataset is created; one reads the few files of an enriched wave or run (docs/decisions.md, "One footer
+reader for Ray Data's Parquet reads"). A value in the environment wins."""
+
+
+def read_enriched(files: Sequence[str], filesystem: Any, columns: Sequence[str]) -> ray.data.Dataset:
+    """``files`` as a Ray Data dataset of ``columns``, in the files' row order (the same rows always give the same
+    packs, not whatever order the tasks finish in)."""
+    os.environ.setdefault(FOOTER_ACTORS_ENV, "1")  # read where the dataset is created (this process)
+    ds = ray.data.read_parquet(list(files), filesystem=filesystem, columns=list(columns))
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
 def _pack(ds: ray.data.Dataset, out: StorageLocation, cfg: DatasetConfig, pairs: bool = False) -> PackedData | None:
     """Pack ``ds`` (TOKENIZED_COLUMNS rows; with ``pairs``, PAIR_TOKEN_COLUMNS rows) into Parquet under ``out``;
     None when it gave no pack."""
@@ -238,10 +254,7 @@ def pack_enriched(enriched: StorageLocation, packed: StorageLocation, cfg: Datas
     columns = [*TOKENIZED_COLUMNS, "split"] if weights else list(TOKENIZED_COLUMNS)
     log.info("dataset: packing %d tokenized conversations (%s) into %d-token sequences with Ray Data",
              num_rows, cfg.tokenizer, cfg.seq_len)
-    ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=columns)
-    # Packs depend on which rows share a batch: keep the files' row order through every step, so the same enriched
-    # data always gives the same packs (and the same training run), not whatever order the tasks finish in.
-    ds.context.execution_options.preserve_order = True
+    ds = read_enriched(files, enriched.filesystem, columns)
     train_ds = ds if fraction == 0 and not weights else ds.map_batches(
         _rows_of_role, batch_format="pandas", fn_kwargs={"fraction": fraction, "validation": False,
                                                          "weights": weights})
@@ -300,8 +313,7 @@ def pack_enriched_pairs(enriched: StorageLocation, packed: StorageLocation, cfg:
     kept, so the same pairs always give the same packs."""
     t0 = time.perf_counter()
     files = _fresh_output(enriched, packed, "pair")
-    ds = ray.data.read_parquet(files, filesystem=enriched.filesystem, columns=[*PAIR_TOKEN_COLUMNS, "split"])
-    ds.context.execution_options.preserve_order = True
+    ds = read_enriched(files, enriched.filesystem, [*PAIR_TOKEN_COLUMNS, "split"])
     train = _pack(ds.map_batches(_pairs_of_split, batch_format="pandas", fn_kwargs={"split": "train"}), packed, cfg,
                   pairs=True)
     if train is None:

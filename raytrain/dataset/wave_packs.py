@@ -38,6 +38,7 @@ from raytrain.dataset.stream import (
     _rows_of_role,
     benchmark_conversations,
     packed_entry,
+    read_enriched,
     validation_mask,
 )
 from raytrain.errors import RaytrainError
@@ -88,8 +89,7 @@ def pack_wave(enriched_wave: StorageLocation, packed: StorageLocation, index: in
         uuids = pq.read_table(files, filesystem=enriched_wave.filesystem, columns=["uuid"]).column("uuid").to_pylist()
         rows, held_rows = len(uuids), int(validation_mask(uuids, fraction).sum())
         columns = [*TOKENIZED_COLUMNS, "split"] if weights else list(TOKENIZED_COLUMNS)
-        ds = ray.data.read_parquet(files, filesystem=enriched_wave.filesystem, columns=columns)
-        ds.context.execution_options.preserve_order = True  # the same rows give the same packs (stream.py)
+        ds = read_enriched(files, enriched_wave.filesystem, columns)
         role = {"fraction": fraction, "weights": weights}
         train = _pack(ds.map_batches(_rows_of_role, batch_format="pandas", fn_kwargs={**role, "validation": False}),
                       train_out, cfg)
