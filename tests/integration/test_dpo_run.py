@@ -39,14 +39,20 @@ def _job(root, run_name: str, *extra: str):
         "dataset.seq_len=512", *extra])  # half the demo's packs: the same checks at half the cost
 
 
+PAIRS = {"train": 48, "validation": 4}
+"""The first pairs of each split that fit dataset.seq_len: ~45 training packs (4 steps take 16; each launch's
+reference pass scores them all) and 4 held out."""
+
+
 def _write_pairs(job, sample_dir: str) -> None:
-    """The sample's pairs as the enrichment writes them (kept rows that fit dataset.seq_len), packed into the run's
-    data folder."""
+    """The sample's first pairs (PAIRS) as the enrichment writes them (kept rows that fit dataset.seq_len), packed
+    into the run's data folder."""
     from raytrain.dataset.stream import pack_enriched_pairs
 
     tokenizer = load_tokenizer(job.dataset.tokenizer)
     rows = []
     for split in ("train", "validation"):
+        kept = 0
         with gzip.open(os.path.join(sample_dir, "preference", f"{split}.jsonl.gz"), "rt", encoding="utf-8") as f:
             for line in f:
                 pair = derive_pair(json.loads(line))
@@ -58,6 +64,9 @@ def _write_pairs(job, sample_dir: str) -> None:
                 rows.append({"uuid": pair.pair_id, "split": split, "prompt_ids": list(tokens.prompt),
                              "chosen_ids": list(tokens.chosen), "rejected_ids": list(tokens.rejected),
                              "num_tokens": tokens.num_tokens})
+                kept += 1
+                if kept == PAIRS[split]:
+                    break
     run = open_run(job)
     enriched = run.paths.enriched
     os.makedirs(enriched.path, exist_ok=True)
