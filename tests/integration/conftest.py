@@ -22,10 +22,10 @@ def ray_local():
 
     if ray.is_initialized():
         ray.shutdown()
-    from raytrain.runner import WORKER_ENV, WORKER_SETUP_HOOK
+    from raytrain.runner import EMBEDDED_WORKER_ENV, WORKER_SETUP_HOOK
 
     ray.init(num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": dict(WORKER_ENV), "worker_process_setup_hook": WORKER_SETUP_HOOK})
+             runtime_env={"env_vars": dict(EMBEDDED_WORKER_ENV), "worker_process_setup_hook": WORKER_SETUP_HOOK})
     yield ray
     ray.shutdown()
 
@@ -38,9 +38,9 @@ def ray_six_cpus():
 
     if ray.is_initialized():
         ray.shutdown()
-    from raytrain.runner import WORKER_ENV
+    from raytrain.runner import EMBEDDED_WORKER_ENV
 
-    ray.init(num_cpus=6, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+    ray.init(num_cpus=6, include_dashboard=False, runtime_env={"env_vars": dict(EMBEDDED_WORKER_ENV)})
     yield ray
     ray.shutdown()
 

@@ -27,7 +27,7 @@ from raytrain.config import load_job_config
 from raytrain.dataset.tokenize import TOKENIZER_FILES
 from raytrain.pipeline.engine import DS_TAG
 from raytrain.pipeline.model import MistralConfig, build_sequential
-from raytrain.runner import WORKER_ENV, open_run, run_train
+from raytrain.runner import EMBEDDED_WORKER_ENV, WORKER_ENV, open_run, run_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = "configs/cpu-tiny.yaml"
@@ -47,7 +47,7 @@ def trained(tmp_path_factory):
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(EMBEDDED_WORKER_ENV)})
     try:
         root = tmp_path_factory.mktemp("export")
         job = load_job_config(os.path.join(ROOT, CONFIG), _overrides(root))

@@ -59,3 +59,39 @@ def test_ray_train_polls_every_half_second_unless_the_submitter_says_otherwise(m
     assert job_runtime_env()["env_vars"][TRAIN_POLL_ENV] == WORKER_ENV[TRAIN_POLL_ENV] == "0.5"
     monkeypatch.setenv(TRAIN_POLL_ENV, "5")
     assert job_runtime_env()["env_vars"][TRAIN_POLL_ENV] == "5"
+
+
+def _embedded_runtime_env(monkeypatch) -> dict:
+    """The runtime_env connect_ray starts an embedded Ray with (Ray itself not started)."""
+    import types
+
+    from raytrain import runner
+    from raytrain.config import load_job_config
+
+    seen = {}
+
+    def init(num_cpus, runtime_env, dashboard):
+        seen.update(runtime_env)
+        return types.SimpleNamespace(dashboard_url="")
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(runner, "_init_embedded", init)
+    monkeypatch.setattr(runner, "_embedded_auth", lambda: "")
+    monkeypatch.setattr(runner, "hook_worker_output", lambda: None)
+    for k in WORKER_ENV:  # connect_ray sets them in this process: restored afterwards
+        monkeypatch.setenv(k, WORKER_ENV[k])
+    monkeypatch.setenv("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    assert runner.connect_ray(load_job_config("configs/demo.yaml", [])) is True
+    return seen
+
+
+def test_no_preemption_watcher_on_the_embedded_ray_unless_the_environment_says_so(monkeypatch):
+    from raytrain.runner import PREEMPTION_WATCHER_ENV
+
+    monkeypatch.setenv(PREEMPTION_WATCHER_ENV, "0")
+    monkeypatch.delenv(PREEMPTION_WATCHER_ENV)
+    assert _embedded_runtime_env(monkeypatch)["env_vars"][PREEMPTION_WATCHER_ENV] == "0"
+    assert PREEMPTION_WATCHER_ENV not in job_runtime_env()["env_vars"]  # a cluster's job keeps Ray's default
+    monkeypatch.setenv(PREEMPTION_WATCHER_ENV, "1")
+    assert _embedded_runtime_env(monkeypatch)["env_vars"][PREEMPTION_WATCHER_ENV] == "1"
