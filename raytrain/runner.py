@@ -44,10 +44,6 @@ submitter's environment wins."""
 # the worker's stdout, so every "[raytrain] step" line reached the driver console twice.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
               "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", TRAIN_POLL_ENV: "0.5"}
-# Settings (never credentials) that workers on other nodes need for s3:// and for run ownership. Ray writes a job's
-# runtime_env into its logs on every node and shows it in the dashboard's job and actor APIs, so AWS_ACCESS_KEY_ID,
-# AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN are not in this list: workers take credentials from the AWS chain of
-# their own node (docs/security.md); on the embedded cluster they inherit this process's environment.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 EMBEDDED_WORKER_ENV = {**WORKER_ENV, PREEMPTION_WATCHER_ENV: "0"}
 """WORKER_ENV on an embedded local Ray: one node that no autoscaler drains, so Ray Train's preemption watcher (an
@@ -56,6 +52,10 @@ watcher on the embedded Ray"). A value in this process's environment wins."""
 WORKER_SETUP_HOOK = "raytrain.storage.apply_run_umask"
 """Ray's worker_process_setup_hook: every worker (trainer, Ray Data tasks) creates run files 0640, whatever umask
 the node's Ray was started with."""
+# Settings (never credentials) that workers on other nodes need for s3:// and for run ownership. Ray writes a job's
+# runtime_env into its logs on every node and shows it in the dashboard's job and actor APIs, so AWS_ACCESS_KEY_ID,
+# AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN are not in this list: workers take credentials from the AWS chain of
+# their own node (docs/security.md); on the embedded cluster they inherit this process's environment.
 FORWARDED_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE",
                  "RAYTRAIN_USER")
 
@@ -113,9 +113,8 @@ def connect_ray(job: JobConfig) -> bool:
     else:
         num_cpus = embedded_cpus(job)
         log.info("starting an embedded local Ray with %d logical CPUs", num_cpus)
-        runtime_env["env_vars"].setdefault(PREEMPTION_WATCHER_ENV,
-                                           os.environ.get(PREEMPTION_WATCHER_ENV,
-                                                          EMBEDDED_WORKER_ENV[PREEMPTION_WATCHER_ENV]))
+        watcher = os.environ.get(PREEMPTION_WATCHER_ENV, EMBEDDED_WORKER_ENV[PREEMPTION_WATCHER_ENV])
+        runtime_env["env_vars"][PREEMPTION_WATCHER_ENV] = watcher
         login = _embedded_auth()
         context = _init_embedded(num_cpus, runtime_env, job.ray.dashboard)
     hook_worker_output()
