@@ -37,11 +37,12 @@ def _commit_wave(packed, index: int, first: int) -> None:
     record = {"wave": index, "data_hash": HASH, "files": [f"wave-{index:05d}/part-0.parquet"], "num_packs": n,
               "num_real_tokens": n * SEQ, "validation": {"files": [], "num_packs": 0, "num_real_tokens": 0}}
     (packed / WAVES).mkdir(exist_ok=True)
-    (packed / WAVES / f"wave-{index:05d}.json").write_text(json.dumps(record))
+    # atomically, as the enrichment commits it: a reader polling meanwhile sees no record or the whole one
+    resolve(str(packed / WAVES / f"wave-{index:05d}.json")).write_atomic(json.dumps(record))
 
 
 def _complete(packed) -> None:
-    (packed / MANIFEST).write_text(json.dumps({"data_hash": HASH, "waves": list(WAVE_PACKS)}))
+    resolve(str(packed / MANIFEST)).write_atomic(json.dumps({"data_hash": HASH, "waves": list(WAVE_PACKS)}))
 
 
 def test_records_are_read_up_to_the_first_missing_wave_and_complete_with_the_manifest(tmp_path):
