@@ -103,7 +103,7 @@ def connect_ray(job: JobConfig) -> bool:
     if ray.is_initialized():
         return False
     address = job.ray.address or os.environ.get("RAY_ADDRESS", "")
-    runtime_env = job_runtime_env()
+    runtime_env = job_runtime_env(embedded=not address)
     if framework_output_captured():
         os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     login = ""
@@ -113,8 +113,6 @@ def connect_ray(job: JobConfig) -> bool:
     else:
         num_cpus = embedded_cpus(job)
         log.info("starting an embedded local Ray with %d logical CPUs", num_cpus)
-        watcher = os.environ.get(PREEMPTION_WATCHER_ENV, EMBEDDED_WORKER_ENV[PREEMPTION_WATCHER_ENV])
-        runtime_env["env_vars"][PREEMPTION_WATCHER_ENV] = watcher
         login = _embedded_auth()
         context = _init_embedded(num_cpus, runtime_env, job.ray.dashboard)
     hook_worker_output()
@@ -125,18 +123,20 @@ def connect_ray(job: JobConfig) -> bool:
     return True
 
 
-def job_runtime_env() -> dict[str, Any]:
-    """The runtime_env connect_ray gives the job, from this process's environment: WORKER_ENV, the S3 settings it
-    was given (FORWARDED_ENV: endpoint, region, profile name; never keys, since Ray logs runtime_env on every node
-    and serves it from the dashboard) and the worker setup hook that makes run files 0640."""
+def job_runtime_env(embedded: bool = False) -> dict[str, Any]:
+    """The runtime_env connect_ray gives the job, from this process's environment: WORKER_ENV (EMBEDDED_WORKER_ENV
+    on an ``embedded`` local Ray), the S3 settings it was given (FORWARDED_ENV: endpoint, region, profile name; never
+    keys, since Ray logs runtime_env on every node and serves it from the dashboard) and the worker setup hook that
+    makes run files 0640."""
     # Inside `ray job submit` the job's own runtime_env is merged with ours, and Ray refuses a merge where both set
     # the same env var: add only the variables the job did not set.
     job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
     job_env = (job_config.get("runtime_env") or {}).get("env_vars") or {}
-    worker_env = dict(WORKER_ENV)
+    worker_env = dict(EMBEDDED_WORKER_ENV if embedded else WORKER_ENV)
     # Workers on other nodes do not inherit this process's environment: forward the S3 settings it was given (and
-    # the submitter's own Ray Train poll interval, if set).
-    worker_env.update({k: os.environ[k] for k in (*FORWARDED_ENV, TRAIN_POLL_ENV) if os.environ.get(k)})
+    # the submitter's own Ray Train poll interval and, on the embedded Ray, preemption watcher setting, if set).
+    own = (TRAIN_POLL_ENV, PREEMPTION_WATCHER_ENV) if embedded else (TRAIN_POLL_ENV,)
+    worker_env.update({k: os.environ[k] for k in (*FORWARDED_ENV, *own) if os.environ.get(k)})
     runtime_env: dict[str, Any] = {"env_vars": {k: v for k, v in worker_env.items() if k not in job_env}}
     if "worker_process_setup_hook" not in (job_config.get("runtime_env") or {}):
         # every worker (trainer, Ray Data tasks) creates run files 0640: a node's own umask may be 022
