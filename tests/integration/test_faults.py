@@ -40,7 +40,8 @@ def make_job(root, run_name: str, *extra: str):
     return load_job_config("configs/demo.yaml", [
         f"storage.root={root}", "storage.user=ci", f"storage.run_name={run_name}", "dataset.seq_len=128",
         "dataset.length_policy=split", "enrich.wave_rows=0",
-        f"train.max_steps={MAX_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.keep_last=3", *extra])
+        f"train.max_steps={MAX_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.keep_last=3",
+        "train.generation_tokens=0", *extra])  # the generations at each checkpoint: test_export checks them
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -19,7 +19,8 @@ from raytrain.runner import open_run, run_sft
 
 def _job(root, run_name, *extra):
     return load_job_config("configs/demo.yaml", [f"storage.root={root}", f"storage.run_name={run_name}",
-                                                 "storage.user=ci", "train.checkpoint_every=3", *extra])
+                                                 "storage.user=ci", "train.checkpoint_every=3",
+                                                 "train.generation_tokens=0", *extra])  # test_export checks them
 
 
 def _metrics(run):
@@ -197,10 +198,14 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
     from raytrain.dataset.wave_packs import WAVES
 
     straight_job = streamed_run[0]
+    # the same waves as the straight run's: wave 0 alone must give the killed run's first checkpoint (step 2), or
+    # the held enrichment would wait for a checkpoint that waits for it
+    assert streamed_run[2]["steps_before_1"] >= 2, streamed_run[2]
     overrides = [f"storage.root={tmp_path_factory.mktemp('killed')}", "storage.run_name=killed", "storage.user=ci",
                  f"input.path={straight_job.input.path}", f"enrich.wave_rows={STREAM_WAVE_ROWS}",
                  f"train.max_steps={STREAM_STEPS}", "train.grad_accum_steps=4", "train.eval_every=4",
-                 "train.checkpoint_every=1"]
+                 # the first checkpoint at step 2, the last step that wave 1 (held until then) does not feed
+                 "train.checkpoint_every=2", "train.generation_tokens=0"]
     job = load_job_config("configs/demo.yaml", overrides)
     run = open_run(job)
     _reuse_corpus_table(open_run(straight_job), run)
