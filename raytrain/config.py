@@ -180,11 +180,11 @@ class EnrichConfig:
     decontam_ngram: int = 13
     """n-gram length for decontamination overlap."""
     wave_rows: int = -1
-    """Enrich the input in waves of whole files, each closed at >= this many rows, front to back: each wave is
-    written and committed on its own, and an interrupted enrichment redoes only the wave it was in; `raytrain run`
-    trains on the waves packed so far while the rest is enriched. Every row gets the verdict it gets in one wave
-    (raytrain.enrich.waves). 0: the whole input in one wave. -1 (default): waves of ``AUTO_WAVE_ROWS`` rows for a
-    fine-tune without input.max_rows, one wave otherwise (JobConfig.wave_rows)."""
+    """Enrich the input in waves of whole Parquet row groups, each closed at >= this many rows, front to back: each
+    wave is written and committed on its own, and an interrupted enrichment redoes only the wave it was in;
+    `raytrain run` trains on the waves packed so far while the rest is enriched. Every row gets the verdict it gets
+    in one wave (raytrain.enrich.waves). 0: the whole input in one wave. -1 (default): waves of ``AUTO_WAVE_ROWS``
+    rows for a fine-tune without input.max_rows, one wave otherwise (JobConfig.wave_rows)."""
     pair_context: bool = False
     """Preference pairs (train.objective=dpo): put the relevance selection's sentences into the prompt as for the
     fine-tune (top_k, min_score, question_weight, system_prompt, answer_text), the last user turn as the question

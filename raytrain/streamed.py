@@ -43,8 +43,8 @@ def streamed_waves(plan: EnrichPlan, wave_rows: int) -> int:
     """How many waves the enrichment cuts the input into (1 = not streamed)."""
     from raytrain.enrich.waves import input_files, plan_waves
 
-    rows = {split: footers["file_rows"] for split, footers in plan.footers.items()}
-    return len(plan_waves(input_files(plan.inputs.files, rows), wave_rows))
+    groups = {split: footers["file_row_groups"] for split, footers in plan.footers.items()}
+    return len(plan_waves(input_files(plan.inputs.files, groups), wave_rows))
 
 
 def enrich_and_train(run: Any, plan: EnrichPlan, input_root: StorageLocation, eval_sets: tuple[str, ...],

@@ -55,16 +55,17 @@ ROW = pa.schema([("row_id", pa.int64()), ("split", pa.string()), ("uuid", pa.str
                  ("detail", pa.string()), ("context", pa.string()), ("question", pa.string()),
                  ("answer", pa.string()), ("messages_json", pa.string())])
 """The row columns every table of the enrichment starts with (pass 2 reads them, with the final verdict)."""
-PREPARED = pa.schema([*ROW, ("file_index", pa.int64()), ("exact_key", pa.string()), ("signature", pa.binary()),
+PREPARED = pa.schema([*ROW, ("group_index", pa.int64()), ("exact_key", pa.string()), ("signature", pa.binary()),
                       ("band_keys", pa.list_(pa.int64())), ("eval_ngrams", pa.int64())])
 """``prepare_batch``'s output: every input row, its verdict so far, what dedup and decontamination compare.
-``file_index``: the position of the row's file in the input order (duplicates keep the first row in the order
-``INPUT_ORDER``). ``eval_ngrams``: distinct word n-grams shared with the eval sets (decided after dedup, as the
+``group_index``: the position of the row's Parquet row group in the input order: the files in order, each file's
+row groups in order (duplicates keep the first row in the order ``INPUT_ORDER``; a file of one row group, or a JSON
+Lines file, is one group). ``eval_ngrams``: distinct word n-grams shared with the eval sets (decided after dedup, as the
 chain orders it)."""
-INPUT_ORDER = ("file_index", "uuid", "row_id")
-"""The order in which a duplicate keeps its first row: the files in input order, then uuid within a file (row_id
-only breaks ties between copies of one uuid in one file). Processing the files in that order, front to back, decides
-every row the same way as processing them all at once."""
+INPUT_ORDER = ("group_index", "uuid", "row_id")
+"""The order in which a duplicate keeps its first row: the row groups in input order, then uuid within a row group
+(row_id only breaks ties between copies of one uuid in one group). Processing the groups in that order, front to
+back (waves are runs of whole groups), decides every row the same way as processing them all at once."""
 SELECTION = pa.schema([("context_sentences", pa.list_(pa.string())), ("kept_indices", pa.list_(pa.int32())),
                        ("kept_sentences", pa.list_(pa.string())), ("sentence_scores", pa.list_(pa.float32())),
                        ("question_scores", pa.list_(pa.float32())), ("answer_scores", pa.list_(pa.float32())),
@@ -96,7 +97,7 @@ def _defaults(schema: pa.Schema, n: int) -> dict[str, list]:
 # ---- pass 1: derive, license, dedup keys, eval n-grams ----------------------------------------------------------
 def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str], num_perm: int, bands: int,
                   rows: int, shingle_chars: int, eval_index: np.ndarray, ngram: int) -> pd.DataFrame:
-    """Raw Nemotron rows (+ ``row_id``, ``split``, ``file_index`` (0 when absent), and ``guard_reason`` /
+    """Raw Nemotron rows (+ ``row_id``, ``split``, ``group_index`` (0 when absent), and ``guard_reason`` /
     ``guard_detail`` when Spark checked them first: raytrain.enrich.row_guard) -> one PREPARED row each.
 
     ``status``: the guard's reason when it has one, else a derive reason (conversation.QUARANTINE_REASONS), "license" (its trimmed, case-folded license not
@@ -115,7 +116,7 @@ def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str],
         if refused:  # Spark refused it already (row_guard): its text never reached this process
             category = row.get("category")
             values: dict[str, Any] = {**empty, "row_id": int(row["row_id"]), "split": row["split"],
-                                      "file_index": int(row.get("file_index") or 0),
+                                      "group_index": int(row.get("group_index") or 0),
                                       "uuid": row.get("uuid"), "status": refused, "detail": row.get(GUARD_DETAIL) or "",
                                       "category": category if isinstance(category, str) else ""}
             for name in PREPARED.names:
@@ -123,7 +124,7 @@ def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str],
             continue
         result = derive_example(row, max_chars=max_chars)
         values = {**empty, "row_id": int(row["row_id"]), "split": row["split"], "uuid": result.uuid,
-                  "file_index": int(row.get("file_index") or 0)}
+                  "group_index": int(row.get("group_index") or 0)}
         if isinstance(result, Example):
             values.update(category=result.category, license=result.license, reasoning=result.reasoning)
             if result.license.strip().lower() in allowed:
@@ -142,7 +143,7 @@ def prepare_batch(pdf: pd.DataFrame, *, max_chars: int, licenses: Iterable[str],
             out[name].append(values[name])
     fill_dedup_columns(out, texts, num_perm=num_perm, bands=bands, rows=rows, shingle_chars=shingle_chars,
                        eval_index=eval_index, ngram=ngram)
-    return pd.DataFrame(out, columns=list(PREPARED.names)).astype({"row_id": "int64", "file_index": "int64",
+    return pd.DataFrame(out, columns=list(PREPARED.names)).astype({"row_id": "int64", "group_index": "int64",
                                                                    "eval_ngrams": "int64"})
 
 
@@ -162,19 +163,19 @@ def fill_dedup_columns(out: dict[str, list], texts: list[str], *, num_perm: int,
             matched[j]
 
 
-PAIRS = pa.schema([("a_row_id", pa.int64()), ("a_file_index", pa.int64()), ("a_uuid", pa.string()),
-                   ("b_row_id", pa.int64()), ("b_file_index", pa.int64()), ("b_uuid", pa.string()),
+PAIRS = pa.schema([("a_row_id", pa.int64()), ("a_group_index", pa.int64()), ("a_uuid", pa.string()),
+                   ("b_row_id", pa.int64()), ("b_group_index", pa.int64()), ("b_uuid", pa.string()),
                    ("jaccard", pa.float64())])
 """``verify_bucket``'s output: a near-duplicate pair, a before b in ``INPUT_ORDER``: b is the near duplicate."""
 
 
 def verify_bucket(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
-    """One LSH bucket (row_id, file_index, uuid, signature) -> its verified pairs (PAIRS), a before b in
+    """One LSH bucket (row_id, group_index, uuid, signature) -> its verified pairs (PAIRS), a before b in
     ``INPUT_ORDER``, with estimated Jaccard >= threshold. Blocks of rows keep a huge bucket within ~4M booleans."""
     pdf = pdf.sort_values(list(INPUT_ORDER), kind="stable").reset_index(drop=True)
     sigs = np.stack([np.frombuffer(s, dtype=np.uint32) for s in pdf["signature"]]) if len(pdf) \
         else np.zeros((0, 1), dtype=np.uint32)  # (M, P)
-    ids = list(zip(pdf["row_id"].astype(np.int64).tolist(), pdf["file_index"].astype(np.int64).tolist(),
+    ids = list(zip(pdf["row_id"].astype(np.int64).tolist(), pdf["group_index"].astype(np.int64).tolist(),
                    pdf["uuid"].tolist(), strict=True))
     return pd.DataFrame([(*ids[i], *ids[j], jaccard) for i, j, jaccard in verified_pairs(sigs, threshold)],
                         columns=list(PAIRS.names))

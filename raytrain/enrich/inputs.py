@@ -134,15 +134,16 @@ def discover_inputs(input_root: StorageLocation, splits: tuple[str, ...]) -> Inp
 
 def validate_inputs(inputs: InputFiles) -> dict[str, dict[str, Any]]:
     """Check every file's schema from its footer (no rows read); returns {split: {"files": n, "rows": rows,
-    "file_rows": [rows of each file, in order], "schema": the files' pyarrow schema when they all have the same one,
-    else None}} (Spark reads with that schema instead of inferring it: one job per read saved).
+    "file_row_groups": [[rows of each row group] of each file, in order], "schema": the files' pyarrow schema when
+    they all have the same one, else None}} (Spark reads with that schema instead of inferring it: one job per read
+    saved).
 
     Raises RaytrainError naming the file: not readable as Parquet, or a missing/mistyped column
     (schema.validate_schema); or naming two files of one split where one wrote a field as all-null (type null)
     and the other with its type (Spark reads a split with one schema and fails the task on the other file)."""
     counts: dict[str, dict[str, Any]] = {}
     for split, locs in inputs.files.items():
-        rows, schemas, file_rows = 0, [], []
+        rows, schemas, file_row_groups = 0, [], []
         for loc in locs:
             try:
                 with loc.filesystem.open_input_file(loc.path) as f:  # seekable: Parquet reads the footer
@@ -152,12 +153,12 @@ def validate_inputs(inputs: InputFiles) -> dict[str, dict[str, Any]]:
             schema = meta.schema.to_arrow_schema()
             validate_schema(schema, loc.uri)
             rows += meta.num_rows
-            file_rows.append(meta.num_rows)
+            file_row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
             schemas.append(schema.remove_metadata())
         same = all(s.equals(schemas[0]) for s in schemas)
         if not same:
             _refuse_mixed_null_types(split, locs, schemas)
-        counts[split] = {"files": len(locs), "rows": rows, "file_rows": file_rows,
+        counts[split] = {"files": len(locs), "rows": rows, "file_row_groups": file_row_groups,
                          "schema": schemas[0] if schemas and same else None}
     return counts
 

@@ -17,7 +17,7 @@ spark.sql.autoBroadcastJoinThreshold); no global sort. Outputs, under the run's 
   ``answer_scores``), the token ids and loss mask (``input_ids``, ``loss_mask``: packing never tokenizes again),
   ``num_tokens`` and the training conversation ``messages_json``.
 - ``data/quarantine/part-*.parquet``: ``uuid, split, category, reason, detail`` for every row not kept.
-- With ``enrich.wave_rows`` the input goes through in waves of whole files (raytrain.enrich.waves): each wave's
+- With ``enrich.wave_rows`` the input goes through in waves of whole row groups (raytrain.enrich.waves): each wave's
   files under ``wave-NNNNN/`` of both folders, its dedup state and statistics table under ``data/waves/``, and its
   commit record ``data/waves/wave-NNNNN.json`` written last; the statistics and the checks below then run over all
   waves.
@@ -46,7 +46,7 @@ from raytrain.enrich.conversation import QUARANTINE_REASONS
 from raytrain.enrich.decontam import build_sorted_index
 from raytrain.enrich.plan import EnrichPlan, EvalSets, plan_enrichment
 from raytrain.enrich.report import STEP_REASONS_AFTER_DERIVE, Tally, build_report, step_counts, summary_text
-from raytrain.enrich.waves import Wave, commit_record, committed, input_files, plan_waves
+from raytrain.enrich.waves import ORDER, Wave, commit_record, committed, input_files, plan_waves
 from raytrain.storage import MANIFEST, RunPaths, StorageLocation, parquet_names
 from raytrain.telemetry import record_enrich_step, record_quarantine
 
@@ -92,7 +92,7 @@ def enrich_in_session(spark, job: JobConfig, input_root: StorageLocation, run_ro
     corpus, shipped = corpus_table(spark, job, plan.corpus_files, plan.eval_index, run_root, pass_seconds)
     ctx = _Enrichment(spark, job, plan, sc.broadcast(build_sorted_index(plan.eval_index)), shipped,
                       sc.accumulator(0.0), sc.accumulator(0.0), pass_seconds)
-    waves = plan_waves(input_files(plan.inputs.files, {k: v["file_rows"] for k, v in plan.footers.items()}),
+    waves = plan_waves(input_files(plan.inputs.files, {k: v["file_row_groups"] for k, v in plan.footers.items()}),
                        job.wave_rows)
     records: list[dict[str, Any]] = []
     if len(waves) == 1:
@@ -140,7 +140,7 @@ class _Enrichment:
 
     def enrich(self, wave: Wave, enriched: StorageLocation, quarantine: StorageLocation, prior=None,
                state: StorageLocation | None = None):
-        """Pass 1, dedup (against ``prior``, the earlier waves' dedup state), pass 2 over the wave's files; writes
+        """Pass 1, dedup (against ``prior``, the earlier waves' dedup state), pass 2 over the wave's parts; writes
         the enriched and quarantined rows (and with ``state`` the wave's own dedup state); returns the finished
         rows, persisted."""
         from pyspark.sql import functions as F
@@ -148,14 +148,15 @@ class _Enrichment:
         from raytrain.enrich import passes
         from raytrain.enrich.spark import spark_uri
 
-        job, seconds, first = self.job, self.pass_seconds, wave.files[0].index
+        job, seconds = self.job, self.pass_seconds
         rows = wave.rows if job.wave_rows else self.plan.rows_in  # one wave: input.max_rows applied
         t0 = time.perf_counter()
-        files = {split: [spark_uri(f.loc) for f in split_files] for split, split_files in wave.files_by_split().items()}
+        parts = {split: [(spark_uri(p.file.loc), p) for p in split_parts]
+                 for split, split_parts in wave.parts_by_split().items()}
         schemas = {split: footers["schema"] for split, footers in self.plan.footers.items()}
-        raw = passes.read_inputs(self.spark, files, job.input.max_rows, schemas, first_file=first)
+        raw = passes.read_inputs(self.spark, parts, job.input.max_rows, schemas)
         prepared = passes.prepare(raw, self.eval_array, job, row_seconds=self.row_seconds)
-        dups = passes.duplicates(self.spark, prepared, job, prior=prior, first_file=first)
+        dups = passes.duplicates(self.spark, prepared, job, prior=prior, first_group=wave.first_group)
         if state is not None:
             dups.survivors.write.mode("overwrite").parquet(spark_uri(state))
         _add(seconds, "prepare_and_dedup", time.perf_counter() - t0)
@@ -232,13 +233,13 @@ def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths,
                                  f"{quarantined} quarantined; rows went missing (a bug)")
         took = time.perf_counter() - t0
         split = rows_work(ctx.job, took, ctx.row_seconds.value - work_before)
-        record = {"wave": wave.index, "files": wave.identity(), "data_hash": data_hash, "rows_in": wave.rows,
-                  "kept": kept, "quarantined": quarantined, "seconds": round(took, 2), **split,
+        record = {"wave": wave.index, "files": wave.identity(), "order": ORDER, "data_hash": data_hash,
+                  "rows_in": wave.rows, "kept": kept, "quarantined": quarantined, "seconds": round(took, 2), **split,
                   "committed_unix_s": round(time.time(), 3)}
         commit_record(folder, wave).write_atomic(json.dumps(record, sort_keys=True))
         log.info("enrich: wave %d/%d committed: %d file%s, %d rows in -> %d kept, %d quarantined (%.1fs: %.1fs of "
-                 "the rows' work, %.1fs around it)", wave.index + 1, len(waves), len(wave.files),
-                 "" if len(wave.files) == 1 else "s", wave.rows, kept, quarantined, took, split["rows_work_s"],
+                 "the rows' work, %.1fs around it)", wave.index + 1, len(waves), wave.files(),
+                 "" if wave.files() == 1 else "s", wave.rows, kept, quarantined, took, split["rows_work_s"],
                  split["around_s"])
         records.append(record)
         if on_wave is not None:

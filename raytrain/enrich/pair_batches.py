@@ -35,7 +35,7 @@ PAIR_ROW = pa.schema([("row_id", pa.int64()), ("split", pa.string()), ("uuid", p
                       ("language", pa.string()), ("status", pa.string()), ("detail", pa.string()),
                       ("pair_json", pa.string())])
 """Every pair table's first columns; ``pair_json`` holds the PreferenceExample's prompt, chosen, rejected, margin."""
-PAIR_PREPARED = pa.schema([*PAIR_ROW, ("file_index", pa.int64()), ("exact_key", pa.string()),
+PAIR_PREPARED = pa.schema([*PAIR_ROW, ("group_index", pa.int64()), ("exact_key", pa.string()),
                            ("signature", pa.binary()), ("band_keys", pa.list_(pa.int64())),
                            ("eval_ngrams", pa.int64())])
 PAIR_TOKENS = pa.schema([("margin", pa.float64()), ("prompt_ids", pa.list_(pa.int32())),
@@ -74,15 +74,15 @@ def _parse(line: str) -> dict | str:
 
 def prepare_pairs_batch(pdf: pd.DataFrame, *, max_chars: int, num_perm: int, bands: int, rows: int,
                         shingle_chars: int, eval_index: np.ndarray, ngram: int) -> pd.DataFrame:
-    """Lines of the input files (``value``, with ``split``, ``row_id`` and ``file_index``, 0 when absent) -> one
+    """Lines of the input files (``value``, with ``split``, ``row_id`` and ``group_index``, 0 when absent) -> one
     PAIR_PREPARED row each: status
     "ok" with the dedup and eval columns, or a derive reason (a line that is not a JSON object: undecodable_text)."""
     empty = _empty(PAIR_PREPARED)
     out: dict[str, list] = {name: [] for name in PAIR_PREPARED.names}
     texts: list[str] = []
-    file_indices = pdf["file_index"] if "file_index" in pdf else [0] * len(pdf)
-    for line, split, row_id, file_index in zip(pdf["value"], pdf["split"], pdf["row_id"], file_indices, strict=True):
-        values = {**empty, "row_id": int(row_id), "split": split, "file_index": int(file_index)}
+    group_indices = pdf["group_index"] if "group_index" in pdf else [0] * len(pdf)
+    for line, split, row_id, group_index in zip(pdf["value"], pdf["split"], pdf["row_id"], group_indices, strict=True):
+        values = {**empty, "row_id": int(row_id), "split": split, "group_index": int(group_index)}
         row = _parse(line)
         if isinstance(row, str):
             values.update(uuid=_line_id(line), status=Reason.UNDECODABLE_TEXT.value, detail=row)
@@ -102,7 +102,7 @@ def prepare_pairs_batch(pdf: pd.DataFrame, *, max_chars: int, num_perm: int, ban
             out[name].append(values[name])
     fill_dedup_columns(out, texts, num_perm=num_perm, bands=bands, rows=rows, shingle_chars=shingle_chars,
                        eval_index=eval_index, ngram=ngram)
-    return pd.DataFrame(out, columns=list(PAIR_PREPARED.names)).astype({"row_id": "int64", "file_index": "int64",
+    return pd.DataFrame(out, columns=list(PAIR_PREPARED.names)).astype({"row_id": "int64", "group_index": "int64",
                                                                         "eval_ngrams": "int64"})
 
 

@@ -28,10 +28,11 @@ QUARANTINE_COLUMNS = ("uuid", "split", "domain", "language", "reason", "detail")
 
 def read_pair_lines(spark: SparkSession, files: dict[str, str]) -> DataFrame:
     """Every non-blank line of each split's file (``value``, ``split``), with a ``row_id`` unique per line assigned
-    before any shuffle and the ``file_index`` of its file in ``files``' order (the input order duplicates keep their
-    first row in). Spark decompresses ``.gz`` by the name; blank lines are not rows in JSON Lines."""
+    before any shuffle and the ``group_index`` of its file in ``files``' order (a file is one group; the input order
+    duplicates keep their first row in). Spark decompresses ``.gz`` by the name; blank lines are not rows in JSON
+    Lines."""
     frames = [spark.read.text(uri).filter(F.trim(F.col("value")) != "").withColumn("split", F.lit(split))
-              .withColumn("file_index", F.lit(i).cast("long")) for i, (split, uri) in enumerate(files.items())]
+              .withColumn("group_index", F.lit(i).cast("long")) for i, (split, uri) in enumerate(files.items())]
     df = frames[0]
     for other in frames[1:]:
         df = df.unionByName(other)

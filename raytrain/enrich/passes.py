@@ -31,6 +31,7 @@ from raytrain.enrich import batches
 from raytrain.enrich.conversation import MAX_TURNS
 from raytrain.enrich.dedup import lsh_params
 from raytrain.enrich.row_guard import guard_rows
+from raytrain.enrich.waves import Part
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +49,16 @@ def spark_schema(schema: pa.Schema) -> T.StructType:
     return from_arrow_schema(schema)
 
 
-def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
-                schemas: dict[str, pa.Schema | None] | None = None, first_file: int = 0) -> DataFrame:
-    """Raw Nemotron rows of every split (``split`` column added; at most ``max_rows`` per split when > 0), with a
-    ``row_id`` unique per row, assigned before any shuffle so it is stable for the life of the job, and the
-    ``file_index`` of the row's file in the input order (the splits in ``files``' order, each split's files in
-    theirs, counted from ``first_file``: a wave's first file): the order in which duplicates keep their first row.
-    ``schemas``: each split's files' pyarrow schema, read from their footers already (inputs.validate_inputs);
-    given, Spark reads with it instead of running a job to infer it."""
+def read_inputs(spark: SparkSession, parts: dict[str, list[tuple[str, Part]]], max_rows: int,
+                schemas: dict[str, pa.Schema | None] | None = None) -> DataFrame:
+    """Raw Nemotron rows of every split's parts (``(uri, waves.Part)``: a file or a run of its row groups; ``split``
+    column added; at most ``max_rows`` per split when > 0), with a ``row_id`` unique per row, assigned before any
+    shuffle so it is stable for the life of the job, and the ``group_index`` of the row's Parquet row group in the
+    input order: the order in which duplicates keep their first row. Part of a file is read by Spark's row index
+    (``_metadata.row_index``, pushed into the scan). ``schemas``: each split's files' pyarrow schema, read from their
+    footers already (inputs.validate_inputs); given, Spark reads with it instead of running a job to infer it."""
     frames = []
-    file_index = first_file
-    for split, uris in files.items():
+    for split, split_parts in parts.items():
         reader = spark.read
         schema = (schemas or {}).get(split)
         if schema is not None:
@@ -66,13 +66,9 @@ def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
                 reader = reader.schema(from_arrow_schema(schema))
             except TypeError:  # a type Spark's converter does not map: let Spark infer it
                 pass
-        per_file = []
-        for uri in uris:  # one reader per file: its position in the input order is a literal column
-            per_file.append(reader.parquet(uri).select("uuid", "license", "category", "reasoning", "messages")
-                            .withColumn("file_index", F.lit(file_index).cast("long")))
-            file_index += 1
-        df = per_file[0]
-        for other in per_file[1:]:
+        per_part = [_read_part(reader, uri, part) for uri, part in split_parts]
+        df = per_part[0]
+        for other in per_part[1:]:
             df = df.unionByName(other)
         if max_rows:
             df = df.limit(max_rows)
@@ -81,6 +77,20 @@ def read_inputs(spark: SparkSession, files: dict[str, list[str]], max_rows: int,
     for other in frames[1:]:
         df = df.unionByName(other)
     return df.withColumn("row_id", F.monotonically_increasing_id())
+
+
+def _read_part(reader, uri: str, part: Part) -> DataFrame:
+    """One reader per part: its rows, with the ``group_index`` of each (the part's first group's, plus the row
+    groups of the part that start at or before the row)."""
+    df = reader.parquet(uri)
+    row_index = F.col("_metadata.row_index")
+    if not part.whole:
+        df = df.filter(row_index.between(part.start, part.stop - 1))
+    group = F.lit(part.first_group).cast("long")
+    starts = part.group_starts()
+    if starts:
+        group = group + F.size(F.filter(F.array(*[F.lit(s).cast("long") for s in starts]), lambda s: s <= row_index))
+    return df.select("uuid", "license", "category", "reasoning", "messages", group.alias("group_index"))
 
 
 def prepare(raw: DataFrame, eval_index: Any, job: JobConfig, row_seconds: Any = None) -> DataFrame:
@@ -119,14 +129,14 @@ class Duplicates(NamedTuple):
         self.near.unpersist()
 
 
-DEDUP_STATE = ("row_id", "file_index", "uuid", "exact_key", "signature", "band_keys")
+DEDUP_STATE = ("row_id", "group_index", "uuid", "exact_key", "signature", "band_keys")
 """What a wave leaves for the waves after it (waves.py): its exact survivors' keys, signatures and band keys."""
 
 
 def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig, prior: DataFrame | None = None,
-               first_file: int = 0) -> Duplicates:
+               first_group: int = 0) -> Duplicates:
     """(``row_id``, ``dup_reason``, ``dup_detail``) of every kept-so-far row that is an exact or near duplicate of
-    a row before it in the input order (batches.INPUT_ORDER: the files in order, uuid within a file). Runs one
+    a row before it in the input order (batches.INPUT_ORDER: the row groups in order, uuid within a group). Runs one
     Spark job (the near half's count, which also runs pass 1); the exact half is computed with pass 2.
 
     Exact: a row whose key an earlier row has (a window over the key, in Spark); the detail names the first. Near,
@@ -135,7 +145,7 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig, prior: 
     its detail names its most similar earlier partner. A row's verdict depends only on the rows before it, so the
     files processed front to back in waves decide every row as processing them at once does (docs/decisions.md,
     'Duplicates keep the first row in input order'): ``prior`` holds the earlier waves' exact survivors
-    (DEDUP_STATE columns, all in files before ``first_file``, the wave's first file). Reads only the narrow
+    (DEDUP_STATE columns, all in row groups before ``first_group``, the wave's first). Reads only the narrow
     columns (ids, keys, signatures); nothing comes to the driver but the two counts."""
     threshold = job.enrich.near_dup_threshold
     order = [F.col(c) for c in batches.INPUT_ORDER]
@@ -155,7 +165,7 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig, prior: 
     candidates = survivors.withColumn("_current", F.lit(True))
     if prior is not None:
         candidates = candidates.unionByName(prior.select(*DEDUP_STATE).withColumn("_current", F.lit(False)))
-    exploded = candidates.select("row_id", "file_index", "uuid", "signature", "_current",
+    exploded = candidates.select("row_id", "group_index", "uuid", "signature", "_current",
                                  F.explode("band_keys").alias("band_key"))
     bucket = Window.partitionBy("band_key")
     candidates = exploded.withColumn("_n", F.count("*").over(bucket)) \
@@ -163,9 +173,9 @@ def duplicates(spark: SparkSession, prepared: DataFrame, job: JobConfig, prior: 
         .filter((F.col("_n") > 1) & (F.col("_new") == 1)).drop("_n", "_new", "_current")
     pairs = candidates.groupBy("band_key").applyInPandas(
         lambda pdf: batches.verify_bucket(pdf, threshold), schema=spark_schema(batches.PAIRS),
-    ).filter(F.col("b_file_index") >= first_file) \
-        .dropDuplicates(["a_file_index", "a_row_id", "b_row_id"])  # a row id is unique within one wave's files
-    closest = Window.partitionBy("b_row_id").orderBy(F.desc("jaccard"), "a_file_index", "a_uuid", "a_row_id")
+    ).filter(F.col("b_group_index") >= first_group) \
+        .dropDuplicates(["a_group_index", "a_row_id", "b_row_id"])  # a row id is unique within one wave
+    closest = Window.partitionBy("b_row_id").orderBy(F.desc("jaccard"), "a_group_index", "a_uuid", "a_row_id")
     near = pairs.withColumn("_rank", F.row_number().over(closest)) \
         .withColumn("_pairs", F.count("*").over(Window.partitionBy("b_row_id"))).filter(F.col("_rank") == 1) \
         .select(F.col("b_row_id").alias("row_id"), F.lit(batches.NEAR_DUPLICATE).alias("dup_reason"),

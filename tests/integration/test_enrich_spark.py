@@ -4,6 +4,7 @@ sample dataset with its answer key (planted.json). The enrichment checked is the
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -593,7 +594,7 @@ def test_pairs_pack_with_ray_data_never_split_and_validation_apart(pairs, tmp_pa
         assert (manifest if split == "train" else manifest["validation"])["pairs"] == len(expected)
 
 
-# ---- waves (enrich.wave_rows): the input front to back, one wave per file ------------------------------------------
+# ---- waves (enrich.wave_rows): the input front to back in runs of whole row groups ---------------------------------
 KILL_IN_WAVE = 2
 """The streamed enrichment's Spark executor JVM is SIGKILLed two Spark jobs into this wave."""
 ENRICH_DEADLINE_S = 1200  # the streamed enrichment took ~3.5 min on the loaded 2-core machine; a hang fails
@@ -633,29 +634,62 @@ def kill_executor_in_wave(spark, waves_folder: str, wave: int, done: threading.E
         time.sleep(0.5)
 
 
+WAVE_ROWS, ROW_GROUP = 116, 8
+"""The streamed enrichment's waves and the row groups its input's 64-row files are written in: three waves of 128,
+120 and 72 rows, the stem file cut between its row groups (rows 0-56 in wave 1, 56-64 in wave 2), two planted
+duplicate pairs across waves, two contaminated rows in the last wave."""
+
+
+def _in_row_groups(sample_dir: str, folder: str) -> str:
+    """A copy of the sample whose files of more than 32 rows are written again in row groups of ROW_GROUP rows,
+    their rows sorted by uuid: the duplicate order (row group, uuid) then ranks every row as (file, uuid) ranks it
+    in the sample itself, so the streamed run must decide every row as the one-wave run of the sample did."""
+    shutil.copytree(sample_dir, folder)
+    for name in os.listdir(os.path.join(folder, "data")):
+        path = os.path.join(folder, "data", name)
+        table = pq.read_table(path)
+        if table.num_rows > 32:
+            pq.write_table(table.sort_by("uuid"), path, row_group_size=ROW_GROUP)
+    return folder
+
+
+def _wave_of(waves) -> dict[str, int]:
+    """uuid -> the wave that read it (its part of a file: rows start to stop)."""
+    return {u: w.index for w in waves for p in w.parts
+            for u in pq.read_table(p.file.loc.path, columns=["uuid"])["uuid"].to_pylist()[p.start:p.stop]}
+
+
 @pytest.fixture(scope="module")
 def streamed(out, spark, tmp_path_factory):
-    """The demo's enrichment again with enrich.wave_rows=30, in the module's Spark session: the sample's files hold
-    32 or 64 rows, so every file is a wave of its own (7 waves). Its Spark executor is SIGKILLed in wave 2
-    (kill_executor_in_wave): the tests below compare the result of that run with the undisturbed one-wave run."""
+    """The demo's enrichment again in waves of WAVE_ROWS rows, in the module's Spark session, of the sample with its
+    64-row files in row groups of ROW_GROUP (_in_row_groups): three waves, one file cut between two of them. Its Spark
+    executor is SIGKILLed in wave 2 (kill_executor_in_wave): the tests below compare the result of that run with
+    the undisturbed one-wave run of the sample."""
     import dataclasses
 
-    job = dataclasses.replace(out.job, enrich=dataclasses.replace(out.job.enrich, wave_rows=30))
-    run_root = resolve(str(tmp_path_factory.mktemp("streamed") / "run"))
+    from raytrain.enrich.plan import plan_enrichment
+    from raytrain.enrich.waves import input_files, plan_waves
+
+    job = dataclasses.replace(out.job, enrich=dataclasses.replace(out.job.enrich, wave_rows=WAVE_ROWS))
+    folder = tmp_path_factory.mktemp("streamed")
+    input_root = resolve(_in_row_groups(out.sample.out_dir, str(folder / "input")))
+    plan = plan_enrichment(job, input_root, (out.sample.eval_path,))
+    waves = plan_waves(input_files(plan.inputs.files, {k: v["file_row_groups"] for k, v in plan.footers.items()}),
+                       job.wave_rows)
+    run_root = resolve(str(folder / "run"))
     waves_folder = run_root.join("data", "waves").path
     done, kill = threading.Event(), ExecutorKill()
     killer = threading.Thread(target=kill_executor_in_wave, args=(spark, waves_folder, KILL_IN_WAVE, done, kill),
                               daemon=True)
     killer.start()
     try:
-        result = run_with_deadline(lambda: enrich_in_session(spark, job, resolve(out.sample.out_dir), run_root,
-                                                             eval_sets=(out.sample.eval_path,)),
+        result = run_with_deadline(lambda: enrich_in_session(spark, job, input_root, run_root, plan=plan),
                                    ENRICH_DEADLINE_S, "the streamed enrichment with an executor kill")
     finally:
         done.set()
         killer.join(timeout=10)
-    return SimpleNamespace(job=job, run_root=run_root, result=result, kill=kill,
-                           enriched=pq.read_table(result.enriched.path).to_pylist(),
+    return SimpleNamespace(job=job, input_root=input_root, run_root=run_root, result=result, kill=kill, waves=waves,
+                           wave_of=_wave_of(waves), enriched=pq.read_table(result.enriched.path).to_pylist(),
                            quarantine=pq.read_table(result.quarantine.path).to_pylist())
 
 
@@ -677,7 +711,12 @@ def _verdicts(rows) -> list[tuple]:
 
 def test_waves_keep_quarantine_and_tokenize_exactly_as_one_wave(out, streamed):
     waves = streamed.result.report["waves"]
-    assert [w["wave"] for w in waves] == list(range(7)) and [len(w["files"]) for w in waves] == [1] * 7
+    assert [w["wave"] for w in waves] == [0, 1, 2]
+    assert [w["files"] for w in waves] == [w.identity() for w in streamed.waves]
+    cut = [f for w in waves for f in w["files"] if "#rows=" in f]
+    assert [f.rsplit("/", 1)[-1] for f in cut] == ["stem-00000-of-00001.parquet#rows=0-56",
+                                                   "stem-00000-of-00001.parquet#rows=56-64"]
+    assert [w["rows_in"] for w in waves] == [128, 120, 72]
     assert sum(w["rows_in"] for w in waves) == out.report["rows_in"] == len(out.raw)
     assert sum(w["kept"] for w in waves) == len(streamed.enriched) == len(out.enriched)
     assert {r["uuid"]: r["input_ids"] for r in streamed.enriched} == {r["uuid"]: r["input_ids"] for r in out.enriched}
@@ -693,7 +732,7 @@ def test_waves_keep_quarantine_and_tokenize_exactly_as_one_wave(out, streamed):
                                                      strict=True)]}
     # the enriched files wave by wave, each wave's rows sorted by uuid in its files
     names = json.loads(streamed.result.enriched.join(MANIFEST).read_text())["enriched"]["files"]
-    assert [n.split("/")[0] for n in names] == sorted(n.split("/")[0] for n in names) and "wave-00006" in names[-1]
+    assert [n.split("/")[0] for n in names] == sorted(n.split("/")[0] for n in names) and "wave-00002" in names[-1]
 
 
 def test_spark_executor_killed_mid_stream_is_replaced_and_changes_no_row(out, streamed):
@@ -711,7 +750,7 @@ def test_spark_executor_killed_mid_stream_is_replaced_and_changes_no_row(out, st
 
 
 def test_waves_catch_duplicates_across_waves_and_contamination_in_the_last(out, streamed):
-    wave_of = {u: position[0] for u, position in out.order.items()}  # one file = one wave
+    wave_of = streamed.wave_of
     flagged = {q["uuid"]: (q["reason"], q["detail"]) for q in streamed.quarantine}
     across = 0
     for kind, reason in (("exact_duplicates", "exact_duplicate"), ("near_duplicates", "near_duplicate")):
@@ -721,26 +760,25 @@ def test_waves_catch_duplicates_across_waves_and_contamination_in_the_last(out, 
                 across += 1
                 assert flagged[later][0] == reason and first in flagged[later][1]
                 assert flagged.get(first, ("kept",))[0] not in ("exact_duplicate", "near_duplicate")
-    assert across >= 2, "the sample should plant a duplicate pair across two files"
+    assert across >= 2, "the waves should split a planted duplicate pair"
     last = max(wave_of.values())
     planted_last = [r["uuid"] for r in out.planted["contaminated"] if wave_of[r["uuid"]] == last]
     assert planted_last and all(flagged[u][0] == "contaminated" for u in planted_last)
 
 
 def test_interrupted_waves_resume_at_the_first_uncommitted_wave(out, spark, streamed):
-    """A run that stopped before wave 5's commit record: the enrichment again takes the five committed waves'
-    records and files as they are and does wave 5 again, and wave 6 after it (its verdicts read wave 5's dedup
-    state), with the same result."""
+    """A run that stopped before wave 1's commit record: the enrichment again takes wave 0's record and files as they
+    are and does wave 1 again, and wave 2 after it (its verdicts read wave 1's dedup state), with the same result."""
     waves = streamed.run_root.join("data", "waves")
-    os.remove(waves.join("wave-00005.json").path)
+    os.remove(waves.join("wave-00001.json").path)
     before = {n: os.stat(streamed.result.enriched.join(n).path).st_mtime_ns
               for n in os.listdir(streamed.result.enriched.path) if n.startswith("wave-0000")}
-    result = enrich_in_session(spark, streamed.job, resolve(out.sample.out_dir), streamed.run_root,
+    result = enrich_in_session(spark, streamed.job, streamed.input_root, streamed.run_root,
                                eval_sets=(out.sample.eval_path,))
     after = {n: os.stat(result.enriched.join(n).path).st_mtime_ns for n in before}
-    assert {n for n in before if after[n] != before[n]} == {"wave-00005", "wave-00006"}
+    assert {n for n in before if after[n] != before[n]} == {"wave-00001", "wave-00002"}
     committed_at = [[w["committed_unix_s"] for w in r.report["waves"]] for r in (streamed.result, result)]
-    assert committed_at[1][:5] == committed_at[0][:5] and committed_at[1][5] > committed_at[0][6]
+    assert committed_at[1][0] == committed_at[0][0] and committed_at[1][1] > committed_at[0][2]
     assert _verdicts(pq.read_table(result.quarantine.path).to_pylist()) == _verdicts(out.quarantine)
     assert sorted(r["uuid"] for r in pq.read_table(result.enriched.path, columns=["uuid"]).to_pylist()) == \
         sorted(r["uuid"] for r in out.enriched)

@@ -344,7 +344,7 @@ def test_near_duplicate_chains_and_stars_collapse_in_spark(spark):
             "x": x}
     rows = [(i, 0, uuid, batches.OK, f"key-{uuid}", sig.tobytes(), [1]) for i, (uuid, sig) in enumerate(sigs.items())]
     rows += [(20, 1, "y1", batches.OK, "same", x.tobytes(), [2]), (21, 0, "y2", batches.OK, "same", x.tobytes(), [2])]
-    prepared = spark.createDataFrame(rows, "row_id long, file_index long, uuid string, status string, "
+    prepared = spark.createDataFrame(rows, "row_id long, group_index long, uuid string, status string, "
                                            "exact_key string, signature binary, band_keys array<bigint>")
     job = load_job_config("configs/demo.yaml", ["enrich.num_partitions=2"])
     dups = passes.duplicates(spark, prepared, job)

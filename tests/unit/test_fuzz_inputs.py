@@ -413,7 +413,8 @@ def test_fuzz_validate_inputs(tmp_path):
             outcomes.note("accepted")
             # accepted means pyarrow can read the footer and it agrees on the row count
             meta = pq.ParquetFile(str(path)).metadata
-            assert rows == {"chat": {"files": 1, "rows": meta.num_rows, "file_rows": [meta.num_rows],
+            groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            assert rows == {"chat": {"files": 1, "rows": meta.num_rows, "file_row_groups": [groups],
                                      "schema": meta.schema.to_arrow_schema().remove_metadata()}}
     outcomes.check("validate_inputs")
     assert outcomes.counts.get("accepted", 0) >= 1 and outcomes.counts.get("RaytrainError", 0) >= 100

@@ -86,7 +86,7 @@ def test_prepare_batch_matches_the_reference_functions(sample_batch):
 
 
 def test_verify_bucket_orders_each_pair_by_input_order():
-    """a is before b in (file_index, uuid, row_id): the file decides before the uuid, and b is the near
+    """a is before b in (group_index, uuid, row_id): the row group decides before the uuid, and b is the near
     duplicate."""
     rng = np.random.default_rng(0)
     base = rng.integers(0, 2**32, size=64, dtype=np.uint64).astype(np.uint32)
@@ -95,16 +95,16 @@ def test_verify_bucket_orders_each_pair_by_input_order():
         s = base.copy()
         s[:changed] = rng.integers(0, 2**32, size=changed, dtype=np.uint64).astype(np.uint32)
         sigs.append(s)
-    pdf = pd.DataFrame({"row_id": [5, 1, 2, 3, 4], "file_index": [0, 1, 1, 0, 2], "uuid": ["e", "b", "c", "d", "a"],
+    pdf = pd.DataFrame({"row_id": [5, 1, 2, 3, 4], "group_index": [0, 1, 1, 0, 2], "uuid": ["e", "b", "c", "d", "a"],
                         "signature": [s.tobytes() for s in sigs]})
     got = batches.verify_bucket(pdf, threshold=0.8)
     want = set()
     for i in range(5):
         for j in range(5):
             a, b = pdf.iloc[i], pdf.iloc[j]
-            if (a.file_index, a.uuid, a.row_id) < (b.file_index, b.uuid, b.row_id) \
+            if (a.group_index, a.uuid, a.row_id) < (b.group_index, b.uuid, b.row_id) \
                     and estimated_jaccard(sigs[i], sigs[j]) >= 0.8:
-                want.add((int(a.row_id), int(a.file_index), a.uuid, int(b.row_id), int(b.file_index), b.uuid,
+                want.add((int(a.row_id), int(a.group_index), a.uuid, int(b.row_id), int(b.group_index), b.uuid,
                           estimated_jaccard(sigs[i], sigs[j])))
     assert set(map(tuple, got.itertuples(index=False))) == want
     assert len(want) >= 3

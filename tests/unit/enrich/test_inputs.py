@@ -139,7 +139,7 @@ def test_symlinked_blobs_are_files(trees):
     assert os.path.islink(link.path) and link.is_file() and link.size() > 0
     inputs = discover_inputs(resolve(trees["repo"]), ("chat",))
     assert all(os.path.islink(loc.path) for loc in inputs.files["chat"])
-    assert _counts(validate_inputs(inputs)) == {"chat": {"files": 2, "rows": 4, "file_rows": [2, 2]}}
+    assert _counts(validate_inputs(inputs)) == {"chat": {"files": 2, "rows": 4, "file_row_groups": [[2], [2]]}}
 
 
 def test_dangling_symlink_is_a_missing_shard(tmp_path):
@@ -192,7 +192,7 @@ def test_split_folders_with_any_parquet_names(tmp_path):
     assert inputs.layout == "split_folders" and inputs.missing_shards == {}
     assert [loc.name for loc in inputs.files["chat"]] == ["part-00000.parquet"]
     assert inputs.describe()[1] == "chat: 1 file (part-00000)"
-    assert _counts(validate_inputs(inputs)) == {"chat": {"files": 1, "rows": 3, "file_rows": [3]}}
+    assert _counts(validate_inputs(inputs)) == {"chat": {"files": 1, "rows": 3, "file_row_groups": [[3]]}}
 
 
 def test_missing_path(tmp_path):
@@ -263,8 +263,8 @@ def test_validate_inputs_counts_footers_and_names_bad_files(tmp_path):
         validate_inputs(inputs)
     _write(str(bad), "c", n=4)
     footers = validate_inputs(inputs)
-    assert _counts(footers) == {"chat": {"files": 2, "rows": 9, "file_rows": [5, 4]},
-                              "code": {"files": 1, "rows": 3, "file_rows": [3]}}
+    assert _counts(footers) == {"chat": {"files": 2, "rows": 9, "file_row_groups": [[5], [4]]},
+                              "code": {"files": 1, "rows": 3, "file_row_groups": [[3]]}}
     # the files' own schema, for Spark to read with (no inference job); None when the files of a split differ
     assert footers["code"]["schema"].equals(pq.read_schema(str(tmp_path / "data" / "code-00000-of-00001.parquet"))
                                             .remove_metadata())
@@ -300,7 +300,7 @@ def test_same_on_s3(trees, tmp_path):
             inputs = discover_inputs(resolve(f"s3://nemotron/{key}", s3_endpoint=endpoint), SPLITS)
             assert (inputs.layout, inputs.root.path, inputs.root.scheme) == (layout, root, "s3"), key
             assert inputs.missing_shards == {} and _read_back(inputs) == EXPECTED, key
-        assert _counts(validate_inputs(inputs))["math"] == {"files": 3, "rows": 6, "file_rows": [2, 2, 2]}
+        assert _counts(validate_inputs(inputs))["math"] == {"files": 3, "rows": 6, "file_row_groups": [[2], [2], [2]]}
         with pytest.raises(RaytrainError, match="s3://nemotron/nope does not exist"):
             discover_inputs(resolve("s3://nemotron/nope", s3_endpoint=endpoint), SPLITS)
         with pytest.raises(RaytrainError, match="drop 'stem'.*"):
