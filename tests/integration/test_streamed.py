@@ -30,17 +30,19 @@ def _metrics(run):
 
 STREAM_WAVE_ROWS = 80
 """The sample's files hold 32 or 64 rows: 3 waves (96, 96 and 128 rows)."""
-STREAM_STEPS = 8
+STREAM_STEPS = 4
+"""Wave 0's packs give steps 1 and 2; steps 3 and 4 need wave 1, held until step 2 is trained."""
 
 
 @pytest.fixture(scope="module")
 def streamed_run(demo_data, ray_local, tmp_path_factory):
-    """The demo's sample enriched in 3 waves by `run_sft`, 8 steps of 8 packs trained on the waves packed so far.
+    """The demo's sample enriched in 3 waves by `run_sft`, STREAM_STEPS steps of 8 packs trained on the waves packed
+    so far.
 
     The test holds packing back (a wrapper around raytrain.streamed.pack_wave, real packing after it): wave 1's
-    until the trainer has trained step 1, the last wave's until it has trained every step the first two waves give;
-    so the first step comes before the later waves are packed, and the trainer catches up with the enrichment and
-    must wait for the last wave, on any machine, however fast the enrichment."""
+    until the trainer has trained every step wave 0 gives; so the first steps come before the later waves are
+    packed, and the trainer catches up with the enrichment and must wait for wave 1, on any machine, however fast
+    the enrichment."""
     import time
 
     from raytrain import streamed
@@ -57,16 +59,13 @@ def streamed_run(demo_data, ray_local, tmp_path_factory):
     real_pack_wave = streamed.pack_wave
 
     def pack_wave(enriched_wave, packed, index, *args, **kwargs):
-        # wave 1: wait until step 1 is trained; wave 2 (the last): until every step of waves 0 and 1 is
-        if index in (1, 2):
-            earlier = [json.loads(packed.join(WAVES, f"wave-{w:05d}.json").read_text())["num_packs"]
-                       for w in range(index)]
-            held[f"steps_before_{index}"] = sum(earlier) // global_batch
-            wait_for = 1 if index == 1 else held["steps_before_2"]
+        if index == 1:  # wait until every step of wave 0 is trained
+            wave_0 = json.loads(packed.join(WAVES, "wave-00000.json").read_text())["num_packs"]
+            held["steps_before_1"] = wave_0 // global_batch
             deadline = time.monotonic() + 900
             while time.monotonic() < deadline:
                 done = _metrics(run) if run.root.join("reports", "metrics.jsonl").exists() else []
-                if len(done) >= wait_for:
+                if len(done) >= held["steps_before_1"]:
                     break
                 time.sleep(0.5)
         return real_pack_wave(enriched_wave, packed, index, *args, **kwargs)
@@ -88,7 +87,7 @@ def _pack_rows(folder, files, column):
             .column(column).to_pylist()]
 
 
-def test_streamed_run_trains_before_the_last_wave_and_waits_for_it(streamed_run):
+def test_streamed_run_trains_before_the_later_waves_and_waits_for_them(streamed_run):
     from raytrain.dataset.wave_packs import WAVES
     from raytrain.status import run_summary_lines
     from raytrain.trainer.pack_order import window_order
@@ -100,15 +99,15 @@ def test_streamed_run_trains_before_the_last_wave_and_waits_for_it(streamed_run)
     assert summary["waves"] == [r["num_packs"] for r in records] and summary["waves_at_start"] == 1
     metrics = {m["step"]: m for m in _metrics(run)}
     assert sorted(metrics) == list(range(1, STREAM_STEPS + 1))
-    # from the run's own records: the first step finished before waves 1 and 2 were packed; every step that the
-    # first two waves give was trained before the last wave was packed, then the trainer waited for it
+    # from the run's own records: the first step finished before waves 1 and 2 were packed; every step that wave 0
+    # gives was trained before wave 1 was packed, then the trainer waited for it
     assert metrics[1]["finished_unix_s"] < records[1]["committed_unix_s"] < records[2]["committed_unix_s"]
-    assert held["steps_before_1"] >= 1  # wave 0 alone gives step 1
-    last_wave_step = held["steps_before_2"] + 1
-    assert last_wave_step <= STREAM_STEPS  # the run needs the last wave
-    assert metrics[last_wave_step - 1]["finished_unix_s"] < records[2]["committed_unix_s"]
-    assert metrics[last_wave_step]["waited_for_waves_s"] > metrics[last_wave_step - 1]["waited_for_waves_s"]
-    assert metrics[last_wave_step]["finished_unix_s"] > records[2]["committed_unix_s"]
+    assert held["steps_before_1"] >= 2  # wave 0 alone gives steps 1 and 2
+    wave_1_step = held["steps_before_1"] + 1
+    assert wave_1_step <= STREAM_STEPS  # the run needs wave 1
+    assert metrics[wave_1_step - 1]["finished_unix_s"] < records[1]["committed_unix_s"]
+    assert metrics[wave_1_step]["waited_for_waves_s"] > metrics[wave_1_step - 1]["waited_for_waves_s"]
+    assert metrics[wave_1_step]["finished_unix_s"] > records[1]["committed_unix_s"]
 
     # the micro-batches consumed are those of the windowed order over the waves' packs (window 1: wave by wave)
     manifest = json.load(open(os.path.join(packed, "_manifest.json")))
