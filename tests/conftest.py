@@ -20,13 +20,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 MODULE_SECONDS = {
-    "test_streamed.py": 680, "test_dpo_run.py": 400, "test_enrich_spark.py": 310, "test_console_run.py": 280,
-    "test_storage_forms.py": 230, "test_sft_e2e.py": 210, "test_s3_run.py": 200, "test_faults.py": 180,
-    "test_topologies.py": 160, "test_lora.py": 160, "test_bench_pipeline.py": 120, "test_autoscaling.py": 120,
-    "test_ops_cluster.py": 95, "test_export.py": 55,
+    "test_streamed.py": 400, "test_enrich_spark.py": 340, "test_console_run.py": 300, "test_storage_forms.py": 250,
+    "test_dpo_run.py": 250, "test_sft_e2e.py": 225, "test_s3_run.py": 205, "test_topologies.py": 205,
+    "test_lora.py": 190, "test_faults.py": 175, "test_bench_pipeline.py": 155, "test_autoscaling.py": 125,
+    "test_ops_cluster.py": 95, "test_export.py": 45,
 }
 """Seconds each integration module took on one worker of a whole run on the 2-core development machine
-(2026-12-07, `.ci/run` on a fresh clone, from its junit report); a module not listed counts as 0."""
+(2026-12-07, `.ci/run` on a fresh clone, from its junit report; test_streamed and test_enrich_spark estimated from
+runs of the module alone after they were cut to fewer steps and waves); a module not listed counts as 0."""
 
 
 @pytest.hookimpl(tryfirst=True)
