@@ -659,6 +659,18 @@ def _wave_of(waves) -> dict[str, int]:
             for u in pq.read_table(p.file.loc.path, columns=["uuid"])["uuid"].to_pylist()[p.start:p.stop]}
 
 
+def _row_groups(waves) -> set[tuple[str, int]]:
+    """(uuid, the position of its row group in the input order) of every row, from pyarrow's reading of each row
+    group."""
+    out = set()
+    for w in waves:
+        for p in w.parts:
+            f = pq.ParquetFile(p.file.loc.path)
+            out |= {(u, p.file.first_group + g) for g in p.groups
+                    for u in f.read_row_group(g, columns=["uuid"])["uuid"].to_pylist()}
+    return out
+
+
 @pytest.fixture(scope="module")
 def streamed(out, spark, tmp_path_factory):
     """The demo's enrichment again in waves of WAVE_ROWS rows, in the module's Spark session, of the sample with its
@@ -717,6 +729,10 @@ def test_waves_keep_quarantine_and_tokenize_exactly_as_one_wave(out, streamed):
     assert [f.rsplit("/", 1)[-1] for f in cut] == ["stem-00000-of-00001.parquet#rows=0-56",
                                                    "stem-00000-of-00001.parquet#rows=56-64"]
     assert [w["rows_in"] for w in waves] == [128, 120, 72]
+    # every row's group_index (the duplicate order) is its row group's, read by Spark by row index within the file
+    state = pq.read_table(streamed.run_root.join("data", "waves", "dedup").path, columns=["uuid", "group_index"])
+    pairs = set(zip(state["uuid"].to_pylist(), state["group_index"].to_pylist(), strict=True))
+    assert len(pairs) > 200 and len({g for _, g in pairs}) > 20 and pairs <= _row_groups(streamed.waves)
     assert sum(w["rows_in"] for w in waves) == out.report["rows_in"] == len(out.raw)
     assert sum(w["kept"] for w in waves) == len(streamed.enriched) == len(out.enriched)
     assert {r["uuid"]: r["input_ids"] for r in streamed.enriched} == {r["uuid"]: r["input_ids"] for r in out.enriched}
