@@ -412,8 +412,8 @@ class TrainConfig:
     recomputed exactly on resume. False = the order the packs were written in, every epoch."""
     shuffle_window_waves: int = 1
     """A streamed run (enrich.wave_rows): the first epoch trains the waves in windows of this many consecutive
-    waves, each window's packs shuffled (train.shuffle) before the next window's; training starts once the first
-    window is packed, and its held-out rows are the validation set. Later epochs shuffle every pack."""
+    waves, each window's packs shuffled (train.shuffle) before the next window's; the first step waits for the first
+    window, and its held-out rows are the validation set. Later epochs shuffle every pack."""
     generation_tokens: int = 32
     """At every checkpoint, greedy continuations (up to this many tokens) of the first micro_batch_size validation
     prompts, written with their reference answers to the run's reports/generations.jsonl (0 = none; needs a

@@ -2,9 +2,11 @@
 waves while the enrichment goes on, on the same Ray cluster.
 
 The enrichment (Spark on Ray) runs in a thread of the driver. Each wave it commits is packed at once (Ray Data,
-raytrain.dataset.wave_packs) and its pack record written; the driver starts the TorchTrainer as soon as the first
-``train.shuffle_window_waves`` waves are packed, and the workers read more waves as their records appear, waiting
-("waiting for wave k" on the console) when training catches up with the enrichment (raytrain.trainer.wave_source).
+raytrain.dataset.wave_packs) and its pack record written. The driver starts the TorchTrainer with the enrichment:
+its workers build their pipeline stages while the first waves are enriched, take the validation and benchmark sets
+from the first ``train.shuffle_window_waves`` waves' records once they are packed, read more waves as their records
+appear, and wait ("waiting for wave k" on the console) when training catches up with the enrichment
+(raytrain.trainer.wave_source).
 A resumed run enriches from its first uncommitted wave on and trains from its checkpoint: the pack order depends
 only on the config and the waves' pack counts (raytrain.trainer.pack_order), so the micro-batches are the same.
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,6 @@ from raytrain.dataset.wave_packs import (
     streamed_packs,
     wave_fraction,
 )
-from raytrain.errors import RaytrainError
 from raytrain.storage import StorageLocation
 
 if TYPE_CHECKING:
@@ -50,10 +50,10 @@ def streamed_waves(plan: EnrichPlan, wave_rows: int) -> int:
 def enrich_and_train(run: Any, plan: EnrichPlan, input_root: StorageLocation, eval_sets: tuple[str, ...],
                      train: Callable[[Any, PackedData], dict[str, Any]],
                      write_report: Callable[[str, dict[str, Any]], Any]) -> dict[str, Any]:
-    """Enrich and pack ``run``'s (a raytrain.runner.Run) waves in a thread, start ``train(run, packed)`` on the first
-    window of waves, then wait for the enrichment; returns train's summary, with the waves, written again by
-    ``write_report(name, report)`` (which also writes the enrichment's report). An error of either side is raised
-    here."""
+    """Enrich and pack ``run``'s (a raytrain.runner.Run) waves in a thread, start ``train(run, packed)`` at once
+    with the waves packed so far (none on a fresh run), then wait for the enrichment; returns train's summary, with
+    the waves, written again by ``write_report(name, report)`` (which also writes the enrichment's report). An error
+    of either side is raised here."""
     from raytrain.enrich.job import run_enrich
 
     job, packed, data_hash = run.job, run.paths.packed, run.data_hash
@@ -88,33 +88,21 @@ def enrich_and_train(run: Any, plan: EnrichPlan, input_root: StorageLocation, ev
 
     thread = threading.Thread(target=enrich, name="raytrain-enrich", daemon=True)
     thread.start()
-    waves = _first_window(packed, data_hash, job.train.shuffle_window_waves, thread, outcome)
-    log.info("stream: training starts on %d packed wave(s) (%d sequences) while the enrichment goes on",
-             len(waves.records), sum(waves.wave_packs))
-    summary = train(run, streamed_packs(packed, waves, job.train.shuffle_window_waves))
+    waves = read_wave_records(packed, data_hash)  # none on a fresh run; a resumed run's waves packed before
+    log.info("stream: training starts with the enrichment (%d wave(s) packed so far): its workers build their stages "
+             "while the first waves are enriched", len(waves.records))
+    try:
+        summary = train(run, streamed_packs(packed, waves, job.train.shuffle_window_waves))
+    except BaseException as e:
+        if "error" in outcome:  # the workers stopped because the enrichment failed: its error, not theirs
+            raise outcome["error"] from e
+        raise
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
-    summary.update(num_packs=sum(r["num_packs"] for r in records), waves=[r["num_packs"] for r in records],
-                   waves_at_start=len(waves.records))
+    final = streamed_packs(packed, WaveRecords(tuple(records), True), job.train.shuffle_window_waves)
+    summary.update(num_packs=final.num_packs, waves=list(final.waves or ()), waves_at_start=len(waves.records),
+                   validation_packs=final.validation.num_packs if final.validation else 0,
+                   benchmark_packs=final.benchmark.num_packs if final.benchmark else 0)
     write_report("run_summary.json", summary)
     return summary
-
-
-def _first_window(packed: StorageLocation, data_hash: str, window: int, thread: threading.Thread,
-                  outcome: dict[str, Any]) -> WaveRecords:
-    """Wait until the first ``window`` waves are packed (or all of them, or the enrichment failed)."""
-    while True:
-        if "error" in outcome:
-            thread.join()
-            raise outcome["error"]
-        waves = read_wave_records(packed, data_hash)
-        if len(waves.records) >= window or waves.complete:
-            return waves
-        if not thread.is_alive():
-            thread.join()
-            if "error" in outcome:
-                raise outcome["error"]
-            raise RaytrainError(f"the enrichment ended with {len(waves.records)} waves packed under {packed.uri}, "
-                                "before the first window of waves (a bug)")
-        time.sleep(0.5)

@@ -69,6 +69,26 @@ class PackSource:
         return self._reader
 
 
+def evaluable(subset: Any, name: str, micro_batch_size: int, dp: int, warn: Callable[[str], None]) -> Any:
+    """``subset`` (a raytrain.dataset.stream.PackedData or None) when it gives every dp replica at least one
+    micro-batch to evaluate, else None (``warn`` told why)."""
+    if subset is not None and -(-subset.num_packs // micro_batch_size) < dp:
+        warn(f"{name}: {subset.num_packs} sequences make fewer micro-batches than train.dp={dp} replicas; no {name} "
+             f"loss{' (raise dataset.validation_fraction)' if name == 'validation' else ''}")
+        return None
+    return subset
+
+
+def packed_files(packed: Any, data_hash: str = "") -> PackedFiles:
+    """Where a worker finds a packed set (a raytrain.dataset.stream.PackedData): folder URI, file paths relative to
+    it in the fixed order, number of packs (a streamed run's training packs: those of the waves packed so far,
+    ``streamed``)."""
+    folder = packed.location.path.rstrip("/") + "/"
+    names = tuple(p[len(folder):] if p.startswith(folder) else p.rsplit("/", 1)[-1] for p in packed.files)
+    return PackedFiles(packed.location.uri, names, packed.num_packs, streamed=packed.waves is not None,
+                       data_hash=data_hash)
+
+
 OpenPacks = Callable[[PackedFiles], PackSource]
 """PackedFiles -> its PackSource (``PackSource(packed, endpoint)`` in a worker, in-memory packs in tests)."""
 

@@ -21,7 +21,7 @@ from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
 from raytrain.runlock import Fence, LockLostError
 from raytrain.storage import RunPaths, StorageLocation, resolve
-from raytrain.trainer.evaluation import PackedFiles
+from raytrain.trainer.evaluation import evaluable, packed_files
 from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
 from raytrain.trainer.preference import reference_key
 from raytrain.trainer.schedule import check_data_order, check_enough_packs
@@ -52,24 +52,6 @@ def software_versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             out[n] = "not installed"
     return out
-
-
-def _evaluable(subset: PackedData | None, name: str, micro_batch_size: int, dp: int) -> PackedData | None:
-    """``subset`` when it gives every dp replica at least one micro-batch to evaluate, else None (warned)."""
-    if subset is not None and -(-subset.num_packs // micro_batch_size) < dp:
-        log.warning("%s: %d sequences make fewer micro-batches than train.dp=%d replicas; no %s loss%s", name,
-                    subset.num_packs, dp, name, " (raise dataset.validation_fraction)" if name == "validation" else "")
-        return None
-    return subset
-
-
-def _files_of(packed: PackedData, data_hash: str = "") -> PackedFiles:
-    """Where a worker finds a packed set: folder URI, file paths relative to it in the fixed order, number of packs
-    (a streamed run's training packs: those of the waves packed so far, ``streamed``)."""
-    folder = packed.location.path.rstrip("/") + "/"
-    names = tuple(p[len(folder):] if p.startswith(folder) else p.rsplit("/", 1)[-1] for p in packed.files)
-    return PackedFiles(packed.location.uri, names, packed.num_packs, streamed=packed.waves is not None,
-                       data_hash=data_hash)
 
 
 def user_error(error: BaseException) -> RaytrainError | None:
@@ -173,12 +155,17 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     the workers' checkpoint store refuses to commit or clean up once the run's lock holds another."""
     tc = job.train
     num_packs = packed.num_packs
-    validation = _evaluable(packed.validation, "validation", tc.micro_batch_size, tc.dp)
-    benchmark = _evaluable(packed.benchmark, "benchmark", tc.micro_batch_size, tc.dp)
+    streamed = packed.waves is not None
+    # A streamed run's workers take its validation and benchmark sets from the wave records once the first window
+    # is packed (raytrain.trainer.wave_source.first_window): they start before it is.
+    validation = None if streamed else evaluable(packed.validation, "validation", tc.micro_batch_size, tc.dp,
+                                                 log.warning)
+    benchmark = None if streamed else evaluable(packed.benchmark, "benchmark", tc.micro_batch_size, tc.dp,
+                                                log.warning)
     ds_config = derive_ds_config(load_ds_config(tc.ds_config), tc, ds_path=tc.ds_config)
     if packed.complete:  # a streamed run's trainer waits for the waves its steps need
         check_enough_packs(num_packs, tc.micro_batch_size, tc.dp, tc.grad_accum_steps)
-    if validation is None and tc.eval_every:
+    if validation is None and tc.eval_every and not streamed:
         log.warning("train.eval_every=%d but the run has no validation set: no validation loss (set "
                     "dataset.validation_fraction > 0)", tc.eval_every)
     if tc.tracking and not run_root.is_posix and (("mlflow" in tc.tracking and not tc.mlflow_uri)
@@ -192,14 +179,14 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     base = _starting_weights(job, latest)
     if latest is not None:
         check_data_order((latest.metadata.get("config") or {}).get("train") or {}, job.to_dict()["train"],
-                         len(packed.waves or ()) > 1, latest.uri)
+                         streamed, latest.uri)
     loop_config = LoopConfig(
-        job=job, run_uri=run_root.uri, ds_config=ds_config, packed=_files_of(packed, job.data_hash()),
-        validation=_files_of(validation) if validation is not None else None,
-        benchmark=_files_of(benchmark) if benchmark is not None else None,
+        job=job, run_uri=run_root.uri, ds_config=ds_config, packed=packed_files(packed, job.data_hash()),
+        validation=packed_files(validation) if validation is not None else None,
+        benchmark=packed_files(benchmark) if benchmark is not None else None,
         local_reports_dir=RunPaths(run_root).reports.path if run_root.scheme == "file" else None,
         versions=software_versions(), fence=fence, base=base,
-        reference_key=reference_key(job, _files_of(packed).uri, base) if tc.objective == "dpo" else "")
+        reference_key=reference_key(job, packed_files(packed).uri, base) if tc.objective == "dpo" else "")
     storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -215,10 +202,12 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         # must see the same micro-batches (ray#60439). Each reading worker streams exactly its replica's packs with
         # Ray Data itself (raytrain.trainer.feed, raytrain.dataset.stream.stream_micro_batches).
     )
-    streaming = "" if packed.complete else (f" (waves 1-{len(packed.waves or ())}; the next as the enrichment "
-                                            "commits them)")
-    log.info("train: starting %d Ray Train workers (pp %d x dp %d) for %d steps on %d packed sequences%s%s",
-             tc.num_workers, tc.pp, tc.dp, tc.stop_at_step or tc.max_steps, num_packs, streaming,
+    data = f"{num_packs} packed sequences"
+    if not packed.complete:
+        data = (f"the waves packed so far ({len(packed.waves or ())}, {data}) and the next as the enrichment commits "
+                "them")
+    log.info("train: starting %d Ray Train workers (pp %d x dp %d) for %d steps on %s%s", tc.num_workers, tc.pp,
+             tc.dp, tc.stop_at_step or tc.max_steps, data,
              f", eval on {validation.num_packs} held out" if validation is not None else "")
     try:
         trainer.fit()

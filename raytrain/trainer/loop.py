@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray.train
@@ -91,6 +91,10 @@ def train_loop_per_worker(config: dict[str, LoopConfig]) -> None:
                                lora=job.model.lora, loss_fn=loss_fn,
                                start_weights=_source_weights(cfg) if cfg.base.get("init_from_run") else None)
     endpoint = job.storage.s3_endpoint or None
+    if cfg.packed.streamed:  # started with the enrichment: the first window's packs, once they are packed
+        from raytrain.trainer.wave_source import first_window
+
+        cfg = replace(cfg, **first_window(cfg.packed, tc, endpoint, announce=dist.get_rank() == 0))
     apply_run_umask()  # DeepSpeed's and torch.save's files: 0640 (a worker on another node has the node's umask)
     store = CheckpointStore(resolve(cfg.run_uri, s3_endpoint=endpoint), keep_last=tc.keep_last,
                             keep_best=tc.keep_best or None, on_corrupt=tc.on_corrupt_checkpoint, fence=cfg.fence)

@@ -7,10 +7,11 @@ import time
 
 import numpy as np
 
+from raytrain.config import TrainConfig
 from raytrain.dataset.pack_reader import PackCounts, PackReader
-from raytrain.dataset.wave_packs import read_wave_records
+from raytrain.dataset.wave_packs import read_wave_records, streamed_packs
 from raytrain.storage import resolve
-from raytrain.trainer.evaluation import PackedFiles, PackSource
+from raytrain.trainer.evaluation import PackedFiles, PackSource, evaluable, packed_files
 from raytrain.trainer.pack_order import WaveState
 
 POLL_S = 1.0
@@ -52,3 +53,37 @@ class WavePackSource(PackSource):
         counts = PackCounts(np.concatenate([c.num_tokens for c in self._counts] or [np.zeros(0, np.int64)]),
                             np.concatenate([c.num_targets for c in self._counts] or [np.zeros(0, np.int64)]))
         return WaveState(waves.wave_packs, counts, waves.complete)
+
+
+def first_window(packed: PackedFiles, tc: TrainConfig, s3_endpoint: str | None, announce: bool = False
+                 ) -> dict[str, PackedFiles | None]:
+    """A streamed run's packed sets once its first ``train.shuffle_window_waves`` waves are packed (or every wave,
+    when there are fewer): LoopConfig's ``packed`` (the waves so far), ``validation`` (the window's held-out packs)
+    and ``benchmark`` (the eval-set items, packed with wave 0). The trainer starts with the enrichment, so a worker
+    that has built its stage before then waits here, polling the wave records; ``announce`` (one worker of the run)
+    says so on the console, and why a held-out set gives no loss."""
+    folder = resolve(packed.uri, s3_endpoint=s3_endpoint)
+    window, announced = tc.shuffle_window_waves, False
+    while True:
+        waves = read_wave_records(folder, packed.data_hash)
+        if len(waves.records) >= window or waves.complete:
+            break
+        if announce and not announced:
+            print(f"[raytrain] waiting for wave {len(waves.records) + 1}: the trainer is ready before the enrichment "
+                  "packed its first waves", flush=True)
+            announced = True
+        time.sleep(POLL_S)
+    data = streamed_packs(folder, waves, window)
+
+    def warn(text: str) -> None:
+        if announce:
+            print(f"[raytrain] {text}", flush=True)
+
+    validation = evaluable(data.validation, "validation", tc.micro_batch_size, tc.dp, warn)
+    benchmark = evaluable(data.benchmark, "benchmark", tc.micro_batch_size, tc.dp, warn)
+    if validation is None and tc.eval_every:
+        warn(f"train.eval_every={tc.eval_every} but the first {window} wave(s) hold out no validation set: no "
+             "validation loss (set dataset.validation_fraction > 0)")
+    return {"packed": packed_files(data, packed.data_hash),
+            "validation": packed_files(validation) if validation is not None else None,
+            "benchmark": packed_files(benchmark) if benchmark is not None else None}

@@ -96,7 +96,7 @@ def test_streamed_run_trains_before_the_later_waves_and_waits_for_them(streamed_
     run = open_run(job)
     packed = run.paths.packed.path
     records = [json.load(open(os.path.join(packed, WAVES, f"wave-{w:05d}.json"))) for w in range(3)]
-    assert summary["waves"] == [r["num_packs"] for r in records] and summary["waves_at_start"] == 1
+    assert summary["waves"] == [r["num_packs"] for r in records] and summary["waves_at_start"] == 0
     metrics = {m["step"]: m for m in _metrics(run)}
     assert sorted(metrics) == list(range(1, STREAM_STEPS + 1))
     # from the run's own records: the first step finished before waves 1 and 2 were packed; every step that wave 0
@@ -231,13 +231,13 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
     committed_at_kill = {n: json.loads(enrich_records.join(n).read_text())["committed_unix_s"]
                          for n in enrich_records.listdir() if n.endswith(".json")}
     assert "wave-00002.json" not in committed_at_kill, "the enrichment finished before the kill: not mid-stream"
-    # what the streamed `raytrain run` told on its console before the kill: the first of three waves committed, the
-    # training started on it
+    # what the streamed `raytrain run` told on its console before the kill: the trainer started with the enrichment,
+    # before any wave was packed; the first of three waves committed
     text = console.read_text()
     assert re.search(r"raytrain: enrich: wave 1/3 committed: \d+ files?, \d+ rows in -> \d+ kept, \d+ quarantined "
                      r"\([0-9.]+s: [0-9.]+s of the rows' work", text), text[-3000:]
-    assert re.search(r"raytrain: stream: training starts on 1 packed wave\(s\) \(\d+ sequences\) while the "
-                     "enrichment goes on", text), text[-3000:]
+    assert re.search(r"raytrain: stream: training starts with the enrichment \(0 wave\(s\) packed so far\)", text), \
+        text[-3000:]
     killed_at_step = CheckpointStore(run.root).latest().step
     assert killed_at_step < STREAM_STEPS
 

@@ -93,3 +93,54 @@ def test_a_worker_waits_for_the_wave_its_micro_batch_needs_and_reads_its_packs(t
 def test_validation_fraction_of_a_streamed_run_is_taken_over_the_input_rows():
     cfg = DatasetConfig(validation_fraction=0.05, validation_max_rows=10)
     assert wave_fraction(cfg, 100) == 0.05 and wave_fraction(cfg, 1000) == 0.01 and wave_fraction(cfg, 0) == 0.0
+
+
+def test_a_worker_started_with_the_enrichment_waits_for_the_first_window_and_its_held_out_sets(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """The trainer starts before any wave is packed: a worker's first_window polls the wave records until the first
+    train.shuffle_window_waves waves are packed, then hands the loop the training packs so far, the validation set
+    (the window's held-out packs, in wave order) and the benchmark set (packed with wave 0); a held-out set that
+    gives a dp replica no micro-batch is dropped with the reason on the console."""
+    from types import SimpleNamespace
+
+    from raytrain.config import TrainConfig
+
+    def held_out(index: int, packs: int) -> dict:
+        return {"files": [f"validation/wave-{index:05d}/part-0.parquet"], "num_packs": packs, "num_real_tokens": 8}
+
+    def commit(index: int, first: int) -> None:
+        _commit_wave(tmp_path, index, first)
+        path = tmp_path / WAVES / f"wave-{index:05d}.json"
+        record = {**json.loads(path.read_text()), "validation": held_out(index, 2 + index)}
+        if index == 0:
+            record["benchmark"] = {"files": ["part-0.parquet"], "num_packs": 1, "num_real_tokens": 5}
+        resolve(str(path)).write_atomic(json.dumps(record))
+
+    polls = []
+
+    def sleep(_seconds: float) -> None:  # the enrichment packs one more wave while the worker waits
+        polls.append(len(polls))
+        commit(len(polls) - 1, sum(WAVE_PACKS[:len(polls) - 1]))
+
+    monkeypatch.setattr(wave_source, "time", SimpleNamespace(sleep=sleep, perf_counter=time.perf_counter))
+    uri = resolve(str(tmp_path)).uri  # as the driver hands it (PackedData.location.uri)
+    start = PackedFiles(uri, (), 0, streamed=True, data_hash=HASH)
+    tc = TrainConfig(shuffle_window_waves=2, micro_batch_size=2, dp=1, eval_every=5)
+    sets = wave_source.first_window(start, tc, None, announce=True)
+    assert len(polls) == 2  # nothing packed, then wave 0: waited twice; wave 1 closes the window
+    assert sets["packed"] == PackedFiles(uri, ("wave-00000/part-0.parquet", "wave-00001/part-0.parquet"), 8,
+                                         streamed=True, data_hash=HASH)
+    assert sets["validation"].files == ("validation/wave-00000/part-0.parquet", "validation/wave-00001/part-0.parquet")
+    assert sets["validation"].num_packs == 5 and not sets["validation"].streamed
+    assert (sets["benchmark"].uri, sets["benchmark"].files, sets["benchmark"].num_packs) == (
+        f"{uri}/benchmark", ("part-0.parquet",), 1)
+    assert "waiting for wave 1" in capsys.readouterr().out
+
+    # every wave packed (fewer than the window): no waiting; dp 2: the benchmark's one pack is no micro-batch for
+    # the second replica
+    commit(2, 8)
+    _complete(tmp_path)
+    sets = wave_source.first_window(start, TrainConfig(shuffle_window_waves=5, micro_batch_size=2, dp=2), None,
+                                    announce=True)
+    assert sets["benchmark"] is None and sets["validation"].num_packs == 2 + 3 + 4 and len(polls) == 2
+    assert "benchmark: 1 sequences make fewer micro-batches than train.dp=2 replicas" in capsys.readouterr().out
