@@ -204,8 +204,8 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
     )
     data = f"{num_packs} packed sequences"
     if not packed.complete:
-        data = (f"the waves packed so far ({len(packed.waves or ())}, {data}) and the next as the enrichment commits "
-                "them")
+        data = (f"the waves as the enrichment packs them ({len(packed.waves or ())} packed so far, {num_packs} "
+                "sequences)")
     log.info("train: starting %d Ray Train workers (pp %d x dp %d) for %d steps on %s%s", tc.num_workers, tc.pp,
              tc.dp, tc.stop_at_step or tc.max_steps, data,
              f", eval on {validation.num_packs} held out" if validation is not None else "")
