@@ -238,8 +238,8 @@ def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths,
                   "committed_unix_s": round(time.time(), 3)}
         commit_record(folder, wave).write_atomic(json.dumps(record, sort_keys=True))
         log.info("enrich: wave %d/%d committed: %d file%s, %d rows in -> %d kept, %d quarantined (%.1fs: %.1fs of "
-                 "the rows' work, %.1fs around it)", wave.index + 1, len(waves), wave.files(),
-                 "" if wave.files() == 1 else "s", wave.rows, kept, quarantined, took, split["rows_work_s"],
+                 "the rows' work, %.1fs around it)", wave.index + 1, len(waves), wave.num_files,
+                 "" if wave.num_files == 1 else "s", wave.rows, kept, quarantined, took, split["rows_work_s"],
                  split["around_s"])
         records.append(record)
         if on_wave is not None:

@@ -16,11 +16,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from raytrain.enrich.batches import INPUT_ORDER
 from raytrain.storage import StorageLocation
 
-ORDER = "row group, uuid, row id"
-"""The duplicate order a commit record was made under (``batches.INPUT_ORDER``): a record without it is from a
-release that ordered by file and is done again."""
+ORDER = ", ".join(INPUT_ORDER)
+"""The duplicate order a commit record was made under: a record made under another (or none: a release that ordered
+by file) is done again."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class InputFile:
     def rows(self) -> int:
         return sum(self.row_groups)
 
+    def offset(self, group: int) -> int:
+        """The file-local first row of row group ``group`` (the file's rows when ``group`` is past the last)."""
+        return sum(self.row_groups[:group])
+
 
 @dataclass(frozen=True)
 class Part:
@@ -46,11 +51,11 @@ class Part:
 
     @property
     def start(self) -> int:
-        return sum(self.file.row_groups[:self.groups.start])
+        return self.file.offset(self.groups.start)
 
     @property
     def stop(self) -> int:
-        return sum(self.file.row_groups[:self.groups.stop])
+        return self.file.offset(self.groups.stop)
 
     @property
     def rows(self) -> int:
@@ -67,7 +72,7 @@ class Part:
 
     def group_starts(self) -> list[int]:
         """The file-local first row of each of the part's row groups after the first (where ``group_index`` steps)."""
-        return [sum(self.file.row_groups[:g]) for g in self.groups[1:]]
+        return [self.file.offset(g) for g in self.groups[1:]]
 
     def identity(self) -> str:
         return self.file.loc.uri if self.whole else f"{self.file.loc.uri}#rows={self.start}-{self.stop}"
@@ -90,7 +95,8 @@ class Wave:
     def first_group(self) -> int:
         return self.parts[0].first_group
 
-    def files(self) -> int:
+    @property
+    def num_files(self) -> int:
         return len({p.file.loc.uri for p in self.parts})
 
     def parts_by_split(self) -> dict[str, list[Part]]:

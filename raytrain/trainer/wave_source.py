@@ -4,18 +4,34 @@ commits them (raytrain.dataset.wave_packs writes them; raytrain.trainer.pack_ord
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from raytrain.config import TrainConfig
 from raytrain.dataset.pack_reader import PackCounts, PackReader
-from raytrain.dataset.wave_packs import read_wave_records, streamed_packs
-from raytrain.storage import resolve
+from raytrain.dataset.wave_packs import WaveRecords, read_wave_records, streamed_packs
+from raytrain.storage import StorageLocation, resolve
 from raytrain.trainer.evaluation import PackedFiles, PackSource, evaluable, packed_files
 from raytrain.trainer.pack_order import WaveState
 
 POLL_S = 1.0
 """How often a worker that caught up with the enrichment looks for the next wave's commit record."""
+
+
+def _wait_for_waves(folder: StorageLocation, data_hash: str, ready: Callable[[WaveRecords], bool],
+                    waiting: Callable[[WaveRecords], str] | None, earlier: tuple[dict, ...] = ()) -> WaveRecords:
+    """The run's wave records once ``ready(records)``, polling every POLL_S (``earlier``: records read before);
+    ``waiting`` gives the console line said the first time it has to wait (None: it waits quietly)."""
+    said = False
+    while True:
+        waves = read_wave_records(folder, data_hash, len(earlier), earlier)
+        if ready(waves):
+            return waves
+        if waiting is not None and not said:
+            print(f"[raytrain] {waiting(waves)}", flush=True)
+            said = True
+        time.sleep(POLL_S)
 
 
 class WavePackSource(PackSource):
@@ -32,16 +48,13 @@ class WavePackSource(PackSource):
         self._counts: list[PackCounts] = []
 
     def wait(self, known: WaveState | None) -> WaveState:
-        announced, t0 = False, time.perf_counter()
-        while True:
-            waves = read_wave_records(self.folder, self.packed.data_hash, len(self._records), self._records)
-            if known is None or len(waves.records) > len(known.wave_packs) or waves.complete:
-                break
-            if self.announce and not announced:
-                print(f"[raytrain] waiting for wave {len(waves.records) + 1}: training caught up with the enrichment "
-                      f"({len(waves.records)} waves packed)", flush=True)
-                announced = True
-            time.sleep(POLL_S)
+        t0 = time.perf_counter()
+        waves = _wait_for_waves(
+            self.folder, self.packed.data_hash,
+            lambda w: known is None or len(w.records) > len(known.wave_packs) or w.complete,
+            (lambda w: f"waiting for wave {len(w.records) + 1}: training caught up with the enrichment "
+                       f"({len(w.records)} waves packed)") if self.announce else None,
+            self._records)
         self.waited_s += time.perf_counter() - t0
         for record in waves.records[len(self._records):]:
             self._counts.append(PackReader(self.packed.uri, record["files"], self.s3_endpoint).counts())
@@ -62,17 +75,10 @@ def first_window(packed: PackedFiles, tc: TrainConfig, s3_endpoint: str | None, 
     and ``benchmark`` (the eval-set items, packed with wave 0). The trainer starts with the enrichment, so a worker
     that has built its stage before then waits here, polling the wave records; ``announce`` (one worker of the run)
     says so on the console, and why a held-out set gives no loss."""
-    folder = resolve(packed.uri, s3_endpoint=s3_endpoint)
-    window, announced = tc.shuffle_window_waves, False
-    while True:
-        waves = read_wave_records(folder, packed.data_hash)
-        if len(waves.records) >= window or waves.complete:
-            break
-        if announce and not announced:
-            print(f"[raytrain] waiting for wave {len(waves.records) + 1}: the trainer is ready before the enrichment "
-                  "packed its first waves", flush=True)
-            announced = True
-        time.sleep(POLL_S)
+    folder, window = resolve(packed.uri, s3_endpoint=s3_endpoint), tc.shuffle_window_waves
+    waves = _wait_for_waves(folder, packed.data_hash, lambda w: len(w.records) >= window or w.complete,
+                            (lambda w: f"waiting for wave {len(w.records) + 1}: the trainer is ready before the "
+                                       "enrichment packed its first waves") if announce else None)
     data = streamed_packs(folder, waves, window)
 
     def warn(text: str) -> None:

@@ -54,7 +54,7 @@ def test_a_file_larger_than_a_wave_is_cut_between_its_row_groups(tmp_path):
     assert (first.start, first.stop, first.whole, first.group_starts()) == (0, 20, False, [10])
     assert (second.start, second.stop, second.first_group, second.group_starts()) == (20, 34, 2, [30])
     assert waves[1].identity() == [f"{files[0].loc.uri}#rows=20-34", files[1].loc.uri]
-    assert waves[1].files() == 2
+    assert waves[1].num_files == 2
     # every row group in exactly one wave, in order
     assert [(p.file.first_group + g) for w in waves for p in w.parts for g in p.groups] == list(range(7))
     assert [_parts(w) for w in plan_waves(files, 0)] == [
