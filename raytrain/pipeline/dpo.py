@@ -40,9 +40,9 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 
     else:
         from torch.utils.checkpoint import checkpoint
 
-        flat = torch.cat([checkpoint(_chunk_token_logps, flat_logits[i:i + chunk_tokens],
-                                     flat_labels[i:i + chunk_tokens], use_reentrant=False)
-                          for i in range(0, num_tokens, chunk_tokens)])
+        flat = torch.cat([checkpoint(_chunk_token_logps, chunk, chunk_labels, use_reentrant=False)
+                          for chunk, chunk_labels in zip(flat_logits.split(chunk_tokens),
+                                                         flat_labels.split(chunk_tokens), strict=True)])
     return flat.view(batch_size, seq_len)
 
 

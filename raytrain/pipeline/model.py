@@ -477,7 +477,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tens
     Memory: the logits are upcast ``chunk_tokens`` tokens at a time, each chunk under non-reentrant activation
     checkpointing, so neither the fp32 copy of the (B*T, V) logits nor cross-entropy's fp32 log-probabilities are
     ever held whole (about 0.5 GB each per micro-batch at T = 4,096, V = 32,768); backward recomputes one chunk at
-    a time. Equal to the one-shot loss and gradients (tests/unit/pipeline/test_chunked_loss.py).
+    a time. The chunks are ``split`` views: backward assembles the logits' gradient once from the chunks'
+    gradients, where slices would each zero-fill and add a gradient of the logits' whole size. Equal to the one-shot loss and gradients (tests/unit/pipeline/test_chunked_loss.py).
     """
     loss_scale = None
     if isinstance(labels, tuple | list):
@@ -491,9 +492,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tens
     else:
         from torch.utils.checkpoint import checkpoint
 
-        loss_sum = sum(checkpoint(_chunk_loss_sum, flat_logits[i:i + chunk_tokens], flat_labels[i:i + chunk_tokens],
-                                  use_reentrant=False)
-                       for i in range(0, num_tokens, chunk_tokens))
+        loss_sum = sum(checkpoint(_chunk_loss_sum, chunk, chunk_labels, use_reentrant=False)
+                       for chunk, chunk_labels in zip(flat_logits.split(chunk_tokens), flat_labels.split(chunk_tokens),
+                                                      strict=True))
     if loss_scale is not None:
         return loss_sum * loss_scale.to(loss_sum.device, torch.float32)
     num_targets = (flat_labels != IGNORE_INDEX).sum().clamp(min=1)

@@ -45,3 +45,24 @@ def test_no_targets_gives_zero_not_nan():
     loss = causal_lm_loss(logits, torch.full((2, 40), IGNORE_INDEX), chunk_tokens=16)
     loss.backward()
     assert float(loss) == 0.0 and torch.count_nonzero(logits.grad) == 0
+
+
+def _graph_nodes(loss: torch.Tensor) -> list[str]:
+    seen, todo, names = set(), [loss.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+def test_backward_assembles_the_logits_gradient_once():
+    """The chunks are split views of the logits: one node gathers their gradients into the logits' gradient, where
+    slices would each give a gradient of the logits' whole size, zero-filled and added up (benchmarks/bench_loss.py)."""
+    logits = torch.randn(3, 50, 97, requires_grad=True)
+    labels = torch.randint(0, 97, (3, 50))
+    names = _graph_nodes(causal_lm_loss(logits, labels, chunk_tokens=16))
+    assert names.count("SplitBackward0") == 1 and "SliceBackward0" not in names, names
