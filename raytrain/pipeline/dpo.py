@@ -19,31 +19,23 @@ import torch.nn.functional as F
 
 from raytrain.config import DpoConfig
 from raytrain.dataset.labels import IGNORE_INDEX, PAD_SEGMENT_ID
-from raytrain.pipeline.model import LOSS_CHUNK_TOKENS, causal_lm_loss
+from raytrain.pipeline.model import LOSS_CHUNK_TOKENS, causal_lm_loss, over_chunks
 
 
 def _chunk_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                recompute: bool | None = None) -> torch.Tensor:
     """fp32 log-probability of each target token, 0 where the label is -100: (B, T, V), (B, T) -> (B, T).
 
-    As ``model.causal_lm_loss``, the logits are upcast ``chunk_tokens`` at a time under activation checkpointing
-    when gradients are on, so the fp32 (B*T, V) copy is never held whole."""
+    As ``model.causal_lm_loss``, the logits are upcast ``chunk_tokens`` at a time (``model.over_chunks``)."""
     batch_size, seq_len, vocab_size = logits.shape
     flat_logits = logits.reshape(-1, vocab_size)
     flat_labels = labels.reshape(-1).to(flat_logits.device)
-    num_tokens = flat_labels.shape[0]
-    if num_tokens <= chunk_tokens or not torch.is_grad_enabled():
-        flat = _chunk_token_logps(flat_logits, flat_labels)
-    else:
-        from torch.utils.checkpoint import checkpoint
-
-        flat = torch.cat([checkpoint(_chunk_token_logps, chunk, chunk_labels, use_reentrant=False)
-                          for chunk, chunk_labels in zip(flat_logits.split(chunk_tokens),
-                                                         flat_labels.split(chunk_tokens), strict=True)])
-    return flat.view(batch_size, seq_len)
+    chunks = over_chunks(_chunk_token_logps, flat_logits, flat_labels, chunk_tokens, recompute)
+    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).view(batch_size, seq_len)
 
 
 def segment_sums(values: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:

@@ -459,12 +459,36 @@ LOSS_CHUNK_TOKENS = 1024
 """Tokens per cross-entropy chunk: at a 32,768-token vocabulary one fp32 chunk of logits is 128 MiB."""
 
 
+def over_chunks(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
+                labels: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                recompute: bool | None = None) -> list[torch.Tensor]:
+    """``fn(logits chunk, labels chunk)`` over ``chunk_tokens`` tokens at a time of the flat (N, V) logits and (N,)
+    labels, so that ``fn``'s fp32 copies (the upcast logits, cross-entropy's log-probabilities) exist one chunk at
+    a time; one call when they fit one chunk or gradients are off.
+
+    ``recompute`` (default: on an accelerator, not on the CPU) runs each chunk under non-reentrant activation
+    checkpointing: backward recomputes the chunk instead of keeping its fp32 tensors, which bounds an accelerator's
+    memory (about 0.5 GB each per micro-batch at T = 4,096, V = 32,768) at the price of a second forward of the
+    chunk; host memory holds them, and the CPU saves that forward (0.90 of a tiny-preset micro-batch's time, bit
+    for bit the same results). The chunks are ``split`` views: backward gathers the logits' gradient once from the
+    chunks' gradients, where slices would each zero-fill and add a gradient of the logits' whole size
+    (benchmarks/bench_loss.py)."""
+    if labels.shape[0] <= chunk_tokens or not torch.is_grad_enabled():
+        return [fn(logits, labels)]
+    chunks = zip(logits.split(chunk_tokens), labels.split(chunk_tokens), strict=True)
+    if not (logits.device.type != "cpu" if recompute is None else recompute):
+        return [fn(chunk, chunk_labels) for chunk, chunk_labels in chunks]
+    from torch.utils.checkpoint import checkpoint
+
+    return [checkpoint(fn, chunk, chunk_labels, use_reentrant=False) for chunk, chunk_labels in chunks]
+
+
 def _chunk_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                   chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+                   chunk_tokens: int = LOSS_CHUNK_TOKENS, recompute: bool | None = None) -> torch.Tensor:
     """fp32 cross-entropy over tokens whose label is not -100: their mean, or their sum times a given scale.
 
     ``labels`` (B, T) are already next-token targets aligned with ``logits`` (B, T, V) (the packer shifted them);
@@ -474,11 +498,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tens
     global batch's target tokens. A batch with no target tokens gives 0 (not NaN), so one empty micro-batch does
     not poison the step.
 
-    Memory: the logits are upcast ``chunk_tokens`` tokens at a time, each chunk under non-reentrant activation
-    checkpointing, so neither the fp32 copy of the (B*T, V) logits nor cross-entropy's fp32 log-probabilities are
-    ever held whole (about 0.5 GB each per micro-batch at T = 4,096, V = 32,768); backward recomputes one chunk at
-    a time. The chunks are ``split`` views: backward assembles the logits' gradient once from the chunks'
-    gradients, where slices would each zero-fill and add a gradient of the logits' whole size. Equal to the one-shot loss and gradients (tests/unit/pipeline/test_chunked_loss.py).
+    The logits are upcast ``chunk_tokens`` tokens at a time (``over_chunks``: neither the fp32 copy of the (B*T, V)
+    logits nor cross-entropy's fp32 log-probabilities held whole on an accelerator). Equal to the one-shot loss and
+    gradients (tests/unit/pipeline/test_chunked_loss.py).
     """
     loss_scale = None
     if isinstance(labels, tuple | list):
@@ -486,15 +508,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tens
     vocab_size = logits.shape[-1]
     flat_logits = logits.reshape(-1, vocab_size)  # (B*T, V), the head's dtype
     flat_labels = labels.reshape(-1).to(flat_logits.device)  # (B*T,)
-    num_tokens = flat_labels.shape[0]
-    if num_tokens <= chunk_tokens or not torch.is_grad_enabled():
-        loss_sum = _chunk_loss_sum(flat_logits, flat_labels)
-    else:
-        from torch.utils.checkpoint import checkpoint
-
-        loss_sum = sum(checkpoint(_chunk_loss_sum, chunk, chunk_labels, use_reentrant=False)
-                       for chunk, chunk_labels in zip(flat_logits.split(chunk_tokens), flat_labels.split(chunk_tokens),
-                                                      strict=True))
+    loss_sum = sum(over_chunks(_chunk_loss_sum, flat_logits, flat_labels, chunk_tokens, recompute))
     if loss_scale is not None:
         return loss_sum * loss_scale.to(loss_sum.device, torch.float32)
     num_targets = (flat_labels != IGNORE_INDEX).sum().clamp(min=1)
