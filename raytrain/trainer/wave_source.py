@@ -53,7 +53,8 @@ class WavePackSource(PackSource):
             self.folder, self.packed.data_hash,
             lambda w: known is None or len(w.records) > len(known.wave_packs) or w.complete,
             (lambda w: f"waiting for wave {len(w.records) + 1}: training caught up with the enrichment "
-                       f"({len(w.records)} wave{'' if len(w.records) == 1 else 's'} packed)") if self.announce else None,
+                       f"({len(w.records)} wave{'' if len(w.records) == 1 else 's'} packed)")
+            if self.announce else None,
             self._records)
         self.waited_s += time.perf_counter() - t0
         for record in waves.records[len(self._records):]:
