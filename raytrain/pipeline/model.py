@@ -463,20 +463,21 @@ def over_chunks(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits
                 labels: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS,
                 recompute: bool | None = None) -> list[torch.Tensor]:
     """``fn(logits chunk, labels chunk)`` over ``chunk_tokens`` tokens at a time of the flat (N, V) logits and (N,)
-    labels, so that ``fn``'s fp32 copies (the upcast logits, cross-entropy's log-probabilities) exist one chunk at
-    a time; one call when they fit one chunk or gradients are off.
+    labels, so that ``fn``'s fp32 copies (the upcast logits, cross-entropy's log-probabilities) are made one chunk
+    at a time; one call when they fit one chunk or gradients are off.
 
     ``recompute`` (default: on an accelerator, not on the CPU) runs each chunk under non-reentrant activation
     checkpointing: backward recomputes the chunk instead of keeping its fp32 tensors, which bounds an accelerator's
     memory (about 0.5 GB each per micro-batch at T = 4,096, V = 32,768) at the price of a second forward of the
-    chunk; host memory holds them, and the CPU saves that forward (0.90 of a tiny-preset micro-batch's time, bit
-    for bit the same results). The chunks are ``split`` views: backward gathers the logits' gradient once from the
-    chunks' gradients, where slices would each zero-fill and add a gradient of the logits' whole size
-    (benchmarks/bench_loss.py)."""
+    chunk; on the CPU host memory holds them and that forward is saved (bit for bit the same results). The chunks
+    are ``split`` views: backward gathers the logits' gradient once from the chunks' gradients, where slices would
+    each zero-fill and add a gradient of the logits' whole size (benchmarks/bench_loss.py)."""
     if labels.shape[0] <= chunk_tokens or not torch.is_grad_enabled():
         return [fn(logits, labels)]
     chunks = zip(logits.split(chunk_tokens), labels.split(chunk_tokens), strict=True)
-    if not (logits.device.type != "cpu" if recompute is None else recompute):
+    if recompute is None:
+        recompute = logits.device.type != "cpu"
+    if not recompute:
         return [fn(chunk, chunk_labels) for chunk, chunk_labels in chunks]
     from torch.utils.checkpoint import checkpoint
 

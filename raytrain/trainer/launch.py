@@ -186,7 +186,7 @@ def train(job: JobConfig, run_root: StorageLocation, packed: PackedData, max_fai
         benchmark=packed_files(benchmark) if benchmark is not None else None,
         local_reports_dir=RunPaths(run_root).reports.path if run_root.scheme == "file" else None,
         versions=software_versions(), fence=fence, base=base,
-        reference_key=reference_key(job, packed_files(packed).uri, base) if tc.objective == "dpo" else "")
+        reference_key=reference_key(job, packed.location.uri, base) if tc.objective == "dpo" else "")
     storage_path, storage_filesystem = ray_storage(run_root.join("ray"))
     trainer = TorchTrainer(
         train_loop_per_worker,
