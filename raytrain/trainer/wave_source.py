@@ -52,7 +52,7 @@ class WavePackSource(PackSource):
         waves = _wait_for_waves(
             self.folder, self.packed.data_hash,
             lambda w: known is None or len(w.records) > len(known.wave_packs) or w.complete,
-            (lambda w: f"waiting for wave {len(w.records) + 1}: training caught up with the enrichment "
+            (lambda w: f"waiting for wave {len(w.records) + 1} to be packed: training caught up with the enrichment "
                        f"({len(w.records)} wave{'' if len(w.records) == 1 else 's'} packed)")
             if self.announce else None,
             self._records)
@@ -78,8 +78,8 @@ def first_window(packed: PackedFiles, tc: TrainConfig, s3_endpoint: str | None, 
     says so on the console, and why a held-out set gives no loss."""
     folder, window = resolve(packed.uri, s3_endpoint=s3_endpoint), tc.shuffle_window_waves
     waves = _wait_for_waves(folder, packed.data_hash, lambda w: len(w.records) >= window or w.complete,
-                            (lambda w: f"waiting for wave {len(w.records) + 1}: the trainer is ready before the "
-                                       "enrichment packed its first waves") if announce else None)
+                            (lambda w: f"waiting for wave {len(w.records) + 1} to be packed: the trainer is ready "
+                                       "before the enrichment packed its first waves") if announce else None)
     data = streamed_packs(folder, waves, window)
 
     def warn(text: str) -> None:
