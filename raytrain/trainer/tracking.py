@@ -60,4 +60,9 @@ class Trackers:
         if self._mlflow is not None:
             self._mlflow.end_run()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            # finish() returns before W&B's service process has flushed the offline run's file; Ray kills a worker's
+            # child processes when the worker exits, so wait for the service to end here
+            wandb.teardown()

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from synthetic_data import synthetic_conversations, write_packed
+from wandb_offline import wandb_offline_history
 
 from raytrain.config import load_job_config
 from raytrain.pipeline.model import MistralConfig, layer_parameter_counts
@@ -308,7 +309,6 @@ def test_mlflow_and_wandb_record_the_run_offline(pp1_dp2):
     """train.tracking=[mlflow, wandb] through Ray's integrations, offline: MLflow's file store under reports/mlruns
     holds the run with the config as params and every step's loss (read back by MLflow's client), and W&B's offline
     run under reports/wandb holds every step's loss in its record log (read with wandb's protobuf messages)."""
-    import glob
 
     from mlflow.tracking import MlflowClient
 
@@ -326,49 +326,6 @@ def test_mlflow_and_wandb_record_the_run_offline(pp1_dp2):
     assert [m.value for m in history] == pytest.approx([m["loss"] for m in reports["metrics"]])
     assert client.get_metric_history(run.info.run_id, "validation_loss")[-1].step == STEPS
 
-    (offline_run,) = glob.glob(os.path.join(reports_dir, "wandb", "offline-run-*"))
-    (log_file,) = glob.glob(os.path.join(offline_run, "*.wandb"))
-    history = [record.history for record in _wandb_records(log_file) if record.WhichOneof("record_type") == "history"]
-    logged = {json.loads(_item(h, "_step")): json.loads(_item(h, "loss")) for h in history}
+    logged = wandb_offline_history(os.path.join(reports_dir, "wandb"), "loss")
     assert sorted(logged) == list(range(1, STEPS + 1))
     assert [logged[step] for step in sorted(logged)] == pytest.approx([m["loss"] for m in reports["metrics"]])
-
-
-def _item(history, key: str) -> str:
-    return next(item.value_json for item in history.item if (item.key or "/".join(item.nested_key)) == key)
-
-
-def _wandb_records(path: str) -> list:
-    """The protobuf Records of a W&B offline run file (what `wandb sync` uploads), read with wandb's own message
-    types: the file is a LevelDB-style log (a 7-byte ":W&B" header, then 32 KiB blocks of records, each with a
-    7-byte header: crc32, length, kind FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4)."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
-
-    with open(path, "rb") as f:
-        data = f.read()
-    assert data[:4] == b":W&B", path
-    position, chunks, pending = 7, [], b""
-    while position + 7 <= len(data):
-        left = 32768 - position % 32768
-        if left < 7:  # block trailer: too short for a header
-            position += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        chunk = data[position + 7:position + 7 + length]
-        position += 7 + length
-        if kind == 1:
-            chunks.append(chunk)
-        elif kind == 2:
-            pending = chunk
-        elif kind == 3:
-            pending += chunk
-        elif kind == 4:
-            chunks.append(pending + chunk)
-    records = []
-    for chunk in chunks:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(chunk)
-        records.append(record)
-    return records
