@@ -19,9 +19,10 @@ from raytrain.config import JobConfig
 from raytrain.dataset.stream import PackedData
 from raytrain.errors import CorruptCheckpointError, RaytrainError
 from raytrain.pipeline.ds_config import derive_ds_config, load_ds_config
-from raytrain.runlock import Fence, LockLostError
+from raytrain.runlock import Fence
 from raytrain.storage import RunPaths, StorageLocation, resolve
 from raytrain.trainer.evaluation import evaluable, packed_files
+from raytrain.trainer.failures import StopOnUnretryableError, user_error
 from raytrain.trainer.loop import LoopConfig, train_loop_per_worker
 from raytrain.trainer.preference import reference_key
 from raytrain.trainer.schedule import check_data_order, check_enough_packs
@@ -52,42 +53,6 @@ def software_versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             out[n] = "not installed"
     return out
-
-
-def user_error(error: BaseException) -> RaytrainError | None:
-    """The first RaytrainError a failed worker group raised (rank order), looking through Ray's task-error
-    wrappers, or the one a controller-side callback raised (StopOnUnretryableError); None when the failure was
-    something else (a crash, a lost node)."""
-    failures = getattr(error, "worker_failures", None) or {}
-    if not failures and getattr(error, "controller_failure", None) is not None:
-        failures = {0: error.controller_failure}
-    for _, failure in sorted(failures.items()):
-        seen: set[int] = set()
-        while failure is not None and id(failure) not in seen:
-            seen.add(id(failure))
-            if isinstance(failure, RaytrainError):
-                return failure
-            failure = getattr(failure, "cause", None) or failure.__cause__
-    return None
-
-
-UNRETRYABLE = (CorruptCheckpointError, LockLostError)
-"""Worker errors a retry would meet again: a corrupt checkpoint (the same bytes are read), a lost run lock
-(another job holds the run)."""
-
-
-class StopOnUnretryableError(ray.train.UserCallback):
-    """Ends the run at the first worker error in UNRETRYABLE, whatever FailureConfig.max_failures.
-
-    Ray Train 2.60's failure policy retries every worker-group error up to max_failures and takes no user rule.
-    This callback runs in the Train controller after each poll that found worker errors: raising there is a
-    controller error, which the policy does not retry, so fit() ends at once (the error is found again by
-    user_error)."""
-
-    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        refused = user_error(ray.train.WorkerGroupError("worker error", worker_exceptions))
-        if isinstance(refused, UNRETRYABLE):
-            raise type(refused)(str(refused))
 
 
 def _starting_weights(job: JobConfig, latest: CommittedCheckpoint | None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""launch.user_error: the RaytrainError a worker raised, found inside Ray Train's WorkerGroupError, whatever wraps it.
+"""failures.user_error: the RaytrainError a worker raised, found inside Ray Train's WorkerGroupError, whatever wraps it.
 Uses Ray's own exception classes (no cluster)."""
 
 import pytest
@@ -6,7 +6,7 @@ from ray.exceptions import RayTaskError
 from ray.train import WorkerGroupError
 
 from raytrain.errors import RaytrainError
-from raytrain.trainer.launch import user_error
+from raytrain.trainer.failures import user_error
 
 
 def _task_error(cause: Exception) -> Exception:
@@ -46,7 +46,7 @@ def test_corrupt_checkpoint_stops_ray_train_at_the_controller():
     from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
     from raytrain.errors import CorruptCheckpointError
-    from raytrain.trainer.launch import StopOnUnretryableError
+    from raytrain.trainer.failures import StopOnUnretryableError
 
     corrupt = CorruptCheckpointError("checkpoint s3://b/r/checkpoints/step_00000004 is corrupt: file "
                                      "'ds/layer_01-model_states.pt' has sha256 0123…, manifest says 4567…")
@@ -69,10 +69,25 @@ def test_corrupt_checkpoint_stops_ray_train_at_the_controller():
 def test_lost_run_lock_stops_ray_train_at_the_controller():
     """A job whose run lock was taken over fails the same way on every retry: it is not retried either."""
     from raytrain.runlock import LockLostError
-    from raytrain.trainer.launch import StopOnUnretryableError
+    from raytrain.trainer.failures import StopOnUnretryableError
 
     lost = LockLostError("run file:///r: this job lost its run lock to bob@h pid 7 (generation 3). Refused to "
                          "commit checkpoint step 6")
     with pytest.raises(LockLostError) as raised:
         StopOnUnretryableError().after_exception(None, {0: _task_error(lost)})
     assert str(raised.value) == str(lost)
+
+
+def test_the_controllers_callback_module_imports_none_of_the_trainer():
+    """The Train controller unpickles StopOnUnretryableError, importing its module in a process of its own at every
+    launch: that module brings none of the worker's code (the loop, DeepSpeed, the tokenizer)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    code = ("import sys, raytrain.trainer.failures; print(sorted(m for m in ('raytrain.trainer.loop', 'deepspeed', "
+            "'mistral_common', 'raytrain.trainer.launch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.stdout.strip() == "[]"
