@@ -1,7 +1,8 @@
 """Which failures of a Ray Train run end it at once, and the RaytrainError inside Ray's wrappers.
 
 The Train controller, a process of its own for each launch, unpickles StopOnUnretryableError: this module imports
-Ray Train and raytrain's error types only, so that process starts without torch or the trainer's modules."""
+Ray Train and raytrain's error types only, so that process loads none of the workers' code (the loop, DeepSpeed, the
+tokenizer)."""
 
 from __future__ import annotations
 
