@@ -309,7 +309,6 @@ def test_mlflow_and_wandb_record_the_run_offline(pp1_dp2):
     """train.tracking=[mlflow, wandb] through Ray's integrations, offline: MLflow's file store under reports/mlruns
     holds the run with the config as params and every step's loss (read back by MLflow's client), and W&B's offline
     run under reports/wandb holds every step's loss in its record log (read with wandb's protobuf messages)."""
-
     from mlflow.tracking import MlflowClient
 
     job, _summary, reports = pp1_dp2

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from fresh_imports import loaded_by
 
 from raytrain.pipeline.flops import flops_per_token
 from raytrain.pipeline.model import MistralConfig, layer_parameter_counts
@@ -40,15 +41,8 @@ def test_imports_only_torch_and_raytrain_pipeline_model():
 
 def test_raytrain_pipeline_model_pulls_in_nothing_heavy():
     """What the benchmark imports from raytrain must not bring deepspeed, ray or transformers onto the GPU box."""
-    import subprocess
-    import sys
-
-    root = os.path.abspath(os.path.join(os.path.dirname(BENCHMARK), ".."))
-    code = ("import sys, raytrain.pipeline.model, raytrain.pipeline.attention; "
-            "print(sorted(m for m in ('deepspeed', 'ray', 'transformers', 'pyarrow', 'yaml') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=root, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": root})
-    assert out.stdout.strip() == "[]"
+    assert loaded_by(["raytrain.pipeline.model", "raytrain.pipeline.attention"],
+                     ["deepspeed", "ray", "transformers", "pyarrow", "yaml"]) == []
 
 
 def test_stage_flops_agree_with_raytrain_flops(bench):

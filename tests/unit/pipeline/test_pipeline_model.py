@@ -1,14 +1,11 @@
 """The plain-torch Mistral layers against transformers' MistralForCausalLM (eager attention, fp32)."""
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from fresh_imports import loaded_by
 from mistral_reference import hf_model, ours_from_hf
 
 from raytrain.errors import ConfigError, RaytrainError
@@ -159,6 +156,4 @@ def test_causal_lm_loss_matches_torch_cross_entropy_and_ignores_minus_100():
 
 def test_model_module_does_not_import_deepspeed():
     """Only raytrain/pipeline's module.py and hf_io.py may pull in DeepSpeed; the model math stays plain torch."""
-    code = "import sys, raytrain.pipeline.model, raytrain.pipeline.flops; assert 'deepspeed' not in sys.modules"
-    root = str(Path(__file__).resolve().parents[3])
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert loaded_by(["raytrain.pipeline.model", "raytrain.pipeline.flops"], ["deepspeed"]) == []

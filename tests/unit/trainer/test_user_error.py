@@ -2,6 +2,7 @@
 Uses Ray's own exception classes (no cluster)."""
 
 import pytest
+from fresh_imports import loaded_by
 from ray.exceptions import RayTaskError
 from ray.train import WorkerGroupError
 
@@ -81,13 +82,5 @@ def test_lost_run_lock_stops_ray_train_at_the_controller():
 def test_the_controllers_callback_module_imports_none_of_the_trainer():
     """The Train controller unpickles StopOnUnretryableError, importing its module in a process of its own at every
     launch: that module brings none of the worker's code (the loop, DeepSpeed, the tokenizer)."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    code = ("import sys, raytrain.trainer.failures; print(sorted(m for m in ('raytrain.trainer.loop', 'deepspeed', "
-            "'mistral_common', 'raytrain.trainer.launch') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=root, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": root})
-    assert out.stdout.strip() == "[]"
+    assert loaded_by(["raytrain.trainer.failures"], ["raytrain.trainer.loop", "deepspeed", "mistral_common",
+                                                     "raytrain.trainer.launch"]) == []
