@@ -82,6 +82,16 @@ def _reuse_corpus_table(source, run) -> None:
     shutil.copytree(source.paths.corpus.path, run.paths.corpus.path)
 
 
+def _reuse_first_wave(source, run) -> None:
+    """Wave 0 as run ``source`` committed it (its enriched and quarantined rows, dedup state, statistics table and
+    commit record; not its packs) into ``run``, the same config's data: to ``run`` an earlier launch committed it."""
+    for folder in (source.paths.enriched, source.paths.quarantine, source.paths.waves.join("dedup"),
+                   source.paths.waves.join("stats")):
+        rel = os.path.relpath(folder.join("wave-00000").path, source.root.path)
+        shutil.copytree(folder.join("wave-00000").path, run.root.join(rel).path)
+    shutil.copy(source.paths.waves.join("wave-00000.json").path, run.paths.waves.join("wave-00000.json").path)
+
+
 def _pack_rows(folder, files, column):
     return [v for name in files for v in pq.read_table(os.path.join(folder, name), columns=[column])
             .column(column).to_pylist()]
@@ -184,9 +194,10 @@ def test_streamed_run_keeps_quarantines_and_packs_what_one_wave_does(streamed_ru
 
 
 def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local, tmp_path_factory):
-    """The streamed run's config in a driver process of its own (`raytrain run` on this module's Ray), SIGKILLed
-    once its first checkpoint is committed, while waves are still being enriched (tests/held_stream_driver.py holds
-    the enrichment after wave 1 until that checkpoint); launched again (here): the
+    """The streamed run's config in a driver process of its own (`raytrain run` on this module's Ray), with wave 0
+    committed by an earlier launch (the uninterrupted run's, copied: one wave less to enrich here), SIGKILLed once
+    its first checkpoint and its wave 1 are committed, while wave 2 is still being enriched
+    (tests/held_stream_driver.py holds the enrichment after wave 1 until that checkpoint); launched again (here): the
     enrichment goes on from its first uncommitted wave (no wave enriched twice), training from the checkpoint, and
     the losses and final weights equal the uninterrupted streamed run's, bit for bit."""
     import signal
@@ -208,6 +219,7 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
     job = load_job_config("configs/demo.yaml", overrides)
     run = open_run(job)
     _reuse_corpus_table(open_run(straight_job), run)
+    _reuse_first_wave(open_run(straight_job), run)
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS=ray_local.get_runtime_context().gcs_address,
                PYTHONUNBUFFERED="1")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -220,7 +232,8 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
     enrich_records = run.root.join("data", "waves")
     try:
         deadline = time.monotonic() + 900
-        while CheckpointStore(run.root).latest() is None:
+        # killed once both are there (in either order): the first checkpoint, and wave 1 committed by this launch
+        while CheckpointStore(run.root).latest() is None or not enrich_records.join("wave-00001.json").exists():
             assert driver.poll() is None and time.monotonic() < deadline, "the driver ended before a checkpoint"
             time.sleep(0.2)
         driver.send_signal(signal.SIGKILL)
@@ -232,9 +245,10 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
                          for n in enrich_records.listdir() if n.endswith(".json")}
     assert "wave-00002.json" not in committed_at_kill, "the enrichment finished before the kill: not mid-stream"
     # what the streamed `raytrain run` told on its console before the kill: the trainer started with the enrichment,
-    # before any wave was packed; the first of three waves committed
+    # before any wave was packed; wave 0 taken as committed, wave 1 enriched and committed
     text = console.read_text()
-    assert re.search(r"raytrain: enrich: wave 1/3 committed: \d+ files?, \d+ rows in -> \d+ kept, \d+ quarantined "
+    assert re.search(r"raytrain: enrich: wave 1/3 committed already \(\d+ rows in -> \d+ kept\)", text), text[-3000:]
+    assert re.search(r"raytrain: enrich: wave 2/3 committed: \d+ files?, \d+ rows in -> \d+ kept, \d+ quarantined "
                      r"\([0-9.]+s: [0-9.]+s of the rows' work", text), text[-3000:]
     assert re.search(r"raytrain: stream: training starts with the enrichment \(0 wave\(s\) packed so far\)", text), \
         text[-3000:]
