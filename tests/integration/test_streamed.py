@@ -35,7 +35,29 @@ STREAM_STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def streamed_run(demo_data, ray_local, tmp_path_factory):
+def one_spark(demo_data, ray_local):
+    """One Spark session for this module's runs in this process (the uninterrupted run, the resumed launch), started
+    with the settings run_enrich starts a session with: one JVM start and stop less. The killed launch, a process of
+    its own, starts its own. Use: ``patch.setattr(raytrain.enrich.spark, "spark_session", one_spark)``."""
+    from contextlib import contextmanager
+
+    from raytrain.enrich.job import session_configs
+    from raytrain.enrich.spark import spark_session
+
+    job = _job("/unused", "unused", f"enrich.wave_rows={STREAM_WAVE_ROWS}")  # the enrich settings of both runs
+    run_root = open_run(demo_data.job()).root  # local, as every run of this module: the same settings
+    configs = session_configs(job, run_root, run_root, None)
+    with spark_session(job.enrich, extra_configs=configs) as session:
+        @contextmanager
+        def the_session(cfg, app_name="raytrain-enrich", extra_configs=None):
+            assert cfg == job.enrich and extra_configs == configs, "a session with other settings was asked for"
+            yield session
+
+        yield the_session
+
+
+@pytest.fixture(scope="module")
+def streamed_run(demo_data, ray_local, one_spark, tmp_path_factory):
     """The demo's sample enriched in 3 waves by `run_sft`, STREAM_STEPS steps of 8 packs trained on the waves packed
     so far.
 
@@ -47,6 +69,7 @@ def streamed_run(demo_data, ray_local, tmp_path_factory):
 
     from raytrain import streamed
     from raytrain.dataset.wave_packs import WAVES
+    from raytrain.enrich import spark as spark_module
 
     root = tmp_path_factory.mktemp("streamed")
     job = _job(root, "streamed", f"input.path={open_run(demo_data.job()).paths.sample.path}",
@@ -72,6 +95,7 @@ def streamed_run(demo_data, ray_local, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(streamed, "pack_wave", pack_wave)
+        patch.setattr(spark_module, "spark_session", one_spark)
         summary = run_sft(job)
     return job, summary, held
 
@@ -193,7 +217,7 @@ def test_streamed_run_keeps_quarantines_and_packs_what_one_wave_does(streamed_ru
         one_wave, lambda m: [f"validation/{name}" for name in m["validation"]["files"]]))
 
 
-def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local, tmp_path_factory):
+def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local, one_spark, tmp_path_factory):
     """The streamed run's config in a driver process of its own (`raytrain run` on this module's Ray), with wave 0
     committed by an earlier launch (the uninterrupted run's, copied: one wave less to enrich here), SIGKILLed once
     its first checkpoint and its wave 1 are committed, while wave 2 is still being enriched
@@ -255,7 +279,11 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
     killed_at_step = CheckpointStore(run.root).latest().step
     assert killed_at_step < STREAM_STEPS
 
-    run_sft(job)
+    from raytrain.enrich import spark as spark_module
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spark_module, "spark_session", one_spark)
+        run_sft(job)
     for name, committed in committed_at_kill.items():  # the waves committed before the kill were not redone
         assert json.loads(enrich_records.join(name).read_text())["committed_unix_s"] == committed, name
     assert len([n for n in run.paths.packed.join(WAVES).listdir() if n.startswith("wave-")]) == 3
