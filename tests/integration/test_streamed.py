@@ -258,7 +258,8 @@ def test_streamed_run_killed_mid_stream_resumes_exactly(streamed_run, ray_local,
         deadline = time.monotonic() + 900
         # killed once both are there (in either order): the first checkpoint, and wave 1 committed by this launch
         while CheckpointStore(run.root).latest() is None or not enrich_records.join("wave-00001.json").exists():
-            assert driver.poll() is None and time.monotonic() < deadline, "the driver ended before a checkpoint"
+            assert driver.poll() is None and time.monotonic() < deadline, \
+                "the driver ended (or timed out) before its first checkpoint and wave 1's commit"
             time.sleep(0.2)
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=60)
