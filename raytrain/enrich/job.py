@@ -46,7 +46,7 @@ from raytrain.enrich.conversation import QUARANTINE_REASONS
 from raytrain.enrich.decontam import build_sorted_index
 from raytrain.enrich.plan import EnrichPlan, EvalSets, plan_enrichment
 from raytrain.enrich.report import STEP_REASONS_AFTER_DERIVE, Tally, build_report, step_counts, summary_text
-from raytrain.enrich.waves import ORDER, Wave, commit_record, committed, input_files, plan_waves
+from raytrain.enrich.waves import ORDER, Wave, commit_record, committed, input_files, plan_waves, wave_outputs
 from raytrain.storage import MANIFEST, RunPaths, StorageLocation, parquet_names
 from raytrain.telemetry import record_enrich_step, record_quarantine
 
@@ -218,8 +218,7 @@ def _enrich_waves(ctx: _Enrichment, waves: list[Wave], paths: RunPaths,
                 on_wave(wave, record)
             continue
         redone, t0, work_before = True, time.perf_counter(), ctx.row_seconds.value
-        outputs = [paths.enriched.join(wave.name), paths.quarantine.join(wave.name), folder.join("dedup", wave.name),
-                   folder.join("stats", wave.name)]
+        outputs = wave_outputs(paths, wave.name)
         for loc in outputs:
             loc.delete_dir()
         before = [spark_uri(folder.join("dedup", w.name)) for w in waves[:wave.index]]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain.enrich.batches import INPUT_ORDER
-from raytrain.storage import StorageLocation
+from raytrain.storage import RunPaths, StorageLocation
 
 ORDER = ", ".join(INPUT_ORDER)
 """The duplicate order a commit record was made under: a record made under another (or none: a release that ordered
@@ -143,6 +143,13 @@ def plan_waves(files: list[InputFile], wave_rows: int) -> list[Wave]:
     if parts:
         waves.append(Wave(len(waves), tuple(parts)))
     return waves
+
+
+def wave_outputs(paths: RunPaths, name: str) -> list[StorageLocation]:
+    """The folders wave ``name`` (``wave-NNNNN``) writes in a run (``paths``): its enriched rows, its quarantined
+    rows, its dedup state and its statistics table; its commit record (commit_record) comes after them."""
+    return [paths.enriched.join(name), paths.quarantine.join(name), paths.waves.join("dedup", name),
+            paths.waves.join("stats", name)]
 
 
 def commit_record(folder: StorageLocation, wave: Wave) -> StorageLocation:

@@ -109,10 +109,10 @@ def _reuse_corpus_table(source, run) -> None:
 def _reuse_first_wave(source, run) -> None:
     """Wave 0 as run ``source`` committed it (its enriched and quarantined rows, dedup state, statistics table and
     commit record; not its packs) into ``run``, the same config's data: to ``run`` an earlier launch committed it."""
-    for folder in (source.paths.enriched, source.paths.quarantine, source.paths.waves.join("dedup"),
-                   source.paths.waves.join("stats")):
-        rel = os.path.relpath(folder.join("wave-00000").path, source.root.path)
-        shutil.copytree(folder.join("wave-00000").path, run.root.join(rel).path)
+    from raytrain.enrich.waves import wave_outputs
+
+    for src, dst in zip(wave_outputs(source.paths, "wave-00000"), wave_outputs(run.paths, "wave-00000"), strict=True):
+        shutil.copytree(src.path, dst.path)
     shutil.copy(source.paths.waves.join("wave-00000.json").path, run.paths.waves.join("wave-00000.json").path)
 
 
